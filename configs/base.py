@@ -1,0 +1,52 @@
+"""Transformer base on WMT14 English->German, with the paper's hyperparameters (Vaswani et al. 2017, Table 3).
+
+    python scripts/prepare_wmt.py ... (or `tfds build wmt14_translate/de-en`), then
+    python train.py --config=configs/base.py --workdir=runs/base --config.data.tfds_data_dir=/path/to/tfds
+
+Paper: 6+6 layers, d_model 512, d_ff 2048, 8 heads, P_drop 0.1, eps_ls 0.1, Adam(0.9, 0.98, 1e-9), warmup
+4000, 100k steps of about 25k source + 25k target tokens, shared vocabulary (37k BPE there; 32k
+sentencepiece here); dev newstest2013, test newstest2014; 27.3 BLEU (tokenized, compound-split).
+"""
+
+from configs import default
+
+
+def get_config():
+    config = default.get_config()
+    data = config.data
+    data.source = "tfds"
+    data.tfds_name = "wmt14_translate/de-en"  # examples keyed {'de', 'en'}; the direction is set below
+    data.source_lang, data.target_lang = "en", "de"
+    data.train_split = "train"
+    data.valid_split = "validation"  # newstest2013
+    data.test_split = "test"  # newstest2014
+    data.vocab_size = 32_000
+    data.vocab_max_sentences = 10_000_000
+    data.max_length = 256
+    data.tokens_per_batch = 25_600  # 100 packed rows of 256: about 25k source and 25k target tokens per step
+
+    model = config.model
+    model.emb_dim, model.mlp_dim, model.num_heads = 512, 2048, 8
+    model.num_encoder_layers = model.num_decoder_layers = 6
+    model.dropout_rate = 0.1
+    model.attention_dropout_rate = model.relu_dropout_rate = 0.0  # the paper names residual dropout only
+    model.positional_encoding, model.layer_norm = "sinusoidal", "post"
+    model.share_embeddings = model.tie_output_embedding = True
+
+    optimizer = config.optimizer
+    optimizer.learning_rate_scale = 1.0
+    optimizer.warmup_steps = 4000
+    optimizer.adam_b1, optimizer.adam_b2, optimizer.adam_eps = 0.9, 0.98, 1e-9
+
+    train = config.train
+    train.num_train_steps = 100_000
+    train.label_smoothing = 0.1
+    train.log_every_steps = 100
+    train.eval_every_steps = 1000
+    train.bleu_every_steps = 10_000
+    train.checkpoint_every_steps = 1000
+    train.keep_checkpoints = 5  # the paper averages the last 5 checkpoints of base
+
+    config.decode.batch_size = 128
+    config.decode.max_extra_length = 50  # input length + 50
+    return config

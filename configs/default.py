@@ -1,0 +1,76 @@
+"""The zero-setup quick start: a small Transformer on the built-in English->Spanish corpus, on a CPU.
+
+    python train.py --workdir=runs/demo
+
+Every setting of the project is here with its default; the other configs start from this one and override.
+Override any field from the command line: --config.model.num_encoder_layers=2 (an unknown key fails at once).
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.seed = 0  # one seed for parameters, dropout (fold_in(seed, step)) and data order
+
+    config.data = data = ml_collections.ConfigDict()
+    data.source = "builtin"  # builtin (synthetic, no download) | text (local files) | tfds (TFDS dataset)
+    data.source_lang = "en"  # translate from this language...
+    data.target_lang = "es"  # ...into this one
+    data.builtin_seed = 0  # seed of the built-in corpus generator
+    data.builtin_train_size = 100_000  # sentence pairs in the built-in train split
+    data.builtin_valid_size = 1_000  # ... valid split
+    data.builtin_test_size = 1_000  # ... test split
+    data.text_dir = ""  # source=text: folder with {split}.{lang} files (one sentence per line, .gz allowed)
+    data.tfds_name = ""  # source=tfds: dataset/config, e.g. wmt14_translate/de-en
+    data.tfds_data_dir = ""  # source=tfds: where the prepared dataset lives (TFDS's default when empty)
+    data.train_split = "train"  # tfds split name, or text file prefix, of the training data
+    data.valid_split = "valid"  # ... of the dev set (eval loss, BLEU, checkpoint choice)
+    data.test_split = "test"  # ... of the test set (BLEU only; never used for selection)
+    data.vocab_path = ""  # an existing sentencepiece model; empty: train one on the train split into the workdir
+    data.vocab_size = 1000  # size of the joint source+target sentencepiece vocabulary
+    data.vocab_character_coverage = 1.0  # sentencepiece character_coverage
+    data.vocab_max_sentences = 1_000_000  # sentences sampled (seeded) from the train split to train the vocabulary
+    data.max_length = 64  # tokens per packed row; training pairs longer than this on either side are dropped
+    data.tokens_per_batch = 2048  # token budget per step and side: rows = tokens_per_batch // max_length
+
+    config.model = model = ml_collections.ConfigDict()
+    model.emb_dim = 128  # d_model
+    model.num_heads = 4  # h (must divide emb_dim)
+    model.num_encoder_layers = 3  # N of the encoder
+    model.num_decoder_layers = 3  # N of the decoder
+    model.mlp_dim = 512  # d_ff of the position-wise feed-forward
+    model.dropout_rate = 0.0  # P_drop on embeddings and sublayer outputs (paper: 0.1; the quick start sees each pair ~once)
+    model.attention_dropout_rate = 0.0  # dropout on attention weights
+    model.relu_dropout_rate = 0.0  # dropout after the feed-forward ReLU
+    model.positional_encoding = "sinusoidal"  # sinusoidal (paper) | learned
+    model.max_length = 256  # positions of the learned table (unused by sinusoids)
+    model.layer_norm = "post"  # post (paper: LayerNorm(x + sublayer(x))) | pre (with a final norm per stack)
+    model.layer_norm_epsilon = 1e-6  # LayerNorm epsilon
+    model.share_embeddings = True  # one embedding for source and target (needs the joint vocabulary)
+    model.tie_output_embedding = True  # pre-softmax projection = target embedding transposed
+    model.dtype = "float32"  # compute dtype of the matmuls: float32 | bfloat16 (parameters stay float32)
+
+    config.optimizer = optimizer = ml_collections.ConfigDict()
+    optimizer.learning_rate_scale = 0.5  # lr = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
+    optimizer.warmup_steps = 200  # warmup_steps of the schedule
+    optimizer.adam_b1 = 0.9  # Adam beta1
+    optimizer.adam_b2 = 0.98  # Adam beta2
+    optimizer.adam_eps = 1e-9  # Adam epsilon
+    optimizer.grad_clip_norm = 0.0  # clip gradients to this global norm; 0 = no clipping (the paper's choice)
+
+    config.train = train = ml_collections.ConfigDict()
+    train.num_train_steps = 750  # optimizer updates
+    train.label_smoothing = 0.1  # epsilon_ls
+    train.log_every_steps = 50  # fetch and log training metrics every N steps (the only host sync)
+    train.eval_every_steps = 250  # eval loss / accuracy / perplexity on the valid split
+    train.bleu_every_steps = 0  # decode and score BLEU during training every N steps (0: only at the end)
+    train.checkpoint_every_steps = 250  # save a checkpoint every N steps (and always at the end)
+    train.keep_checkpoints = 3  # keep the last K checkpoints
+    train.async_checkpointing = True  # save in the background while training goes on
+
+    config.decode = decode = ml_collections.ConfigDict()
+    decode.batch_size = 256  # sentences per decoding batch
+    decode.max_extra_length = 50  # output may be up to input length + this many tokens (the paper's +50)
+    decode.bleu_splits = "valid,test"  # comma-separated splits decoded and scored at the end of training
+    return config

@@ -1,0 +1,1 @@
+"""Makes the repository root importable in tests (`from configs import default`)."""

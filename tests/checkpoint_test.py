@@ -1,0 +1,50 @@
+import jax
+import numpy as np
+import pytest
+
+from tiny import tree_digest
+from transformer.checkpoint import CheckpointMismatchError, Checkpointer, abstract_like
+from transformer.model import ModelConfig
+from transformer.optim import OptimizerConfig, make_optimizer
+from transformer.trainer import create_train_state
+
+SHAPES = dict(vocab_size=30, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, mlp_dim=32)
+
+
+def state_for(emb_dim, seed=0):
+    optimizer, _ = make_optimizer(OptimizerConfig(), emb_dim)
+    return create_train_state(ModelConfig(emb_dim=emb_dim, **SHAPES), optimizer, seed)
+
+
+def test_round_trip_restores_every_array(tmp_path):
+    state = state_for(16, seed=1).replace(step=np.int32(7))
+    checkpointer = Checkpointer(str(tmp_path), save_every_steps=1, keep=2)
+    checkpointer.save(7, state)
+    checkpointer.wait()
+    restored = checkpointer.restore(abstract_like(state))
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(a, b)
+    assert int(restored.step) == 7
+    checkpointer.close()
+
+
+def test_keeps_only_the_last_k(tmp_path):
+    state = state_for(16)
+    checkpointer = Checkpointer(str(tmp_path), save_every_steps=1, keep=2)
+    for step in (1, 2, 3):
+        checkpointer.save(step, state)
+    checkpointer.wait()
+    assert checkpointer.all_steps() == [2, 3]
+    checkpointer.close()
+
+
+def test_a_checkpoint_of_another_shape_fails_clearly_and_is_untouched(tmp_path):
+    checkpointer = Checkpointer(str(tmp_path), save_every_steps=1, keep=2)
+    checkpointer.save(1, state_for(16))
+    checkpointer.wait()
+    before = tree_digest(tmp_path)
+    with pytest.raises(CheckpointMismatchError, match=r"params/.*has shape .*16.* expects .*32"):
+        checkpointer.restore(abstract_like(state_for(32)))
+    checkpointer.close()
+    assert tree_digest(tmp_path) == before

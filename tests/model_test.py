@@ -1,0 +1,127 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from transformer.model import ModelConfig, Transformer, attention_mask, sinusoidal_positions
+
+TINY = dict(vocab_size=40, emb_dim=32, num_heads=4, num_encoder_layers=2, num_decoder_layers=2, mlp_dim=64)
+INPUTS = jnp.array([[5, 6, 7, 8, 1, 0, 0], [9, 10, 1, 0, 0, 0, 0]])
+DECODER_INPUTS = jnp.array([[0, 11, 12, 13, 14, 1], [0, 15, 16, 1, 0, 0]])
+
+
+@nnx.jit
+def apply(model, inputs, decoder_inputs, packing=None):
+    """One compiled forward pass (op-by-op eager dispatch costs seconds per new shape on CPU)."""
+    return model(inputs, decoder_inputs, **(packing or {}))
+
+
+@pytest.fixture(scope="module", params=["post", "pre"])
+def model(request):
+    return Transformer(ModelConfig(**TINY, layer_norm=request.param), rngs=nnx.Rngs(0))
+
+
+def test_logits_are_float32_with_expected_shape(model):
+    logits = apply(model, INPUTS, DECODER_INPUTS)
+    assert logits.shape == (2, 6, 40) and logits.dtype == jnp.float32
+
+
+def test_changing_future_targets_leaves_earlier_logits_unchanged(model):
+    logits = apply(model, INPUTS, DECODER_INPUTS)
+    changed = apply(model, INPUTS, DECODER_INPUTS.at[:, 3:].set(20))
+    np.testing.assert_allclose(changed[:, :3], logits[:, :3], atol=1e-5)
+    assert np.abs(changed[:, 3:] - logits[:, 3:]).max() > 1e-3  # and the future positions do see the change
+
+
+def test_extra_source_padding_changes_nothing(model):
+    logits = apply(model, INPUTS, DECODER_INPUTS)
+    padded = apply(model, jnp.pad(INPUTS, ((0, 0), (0, 5))), DECODER_INPUTS)
+    np.testing.assert_allclose(padded, logits, atol=1e-5)
+
+
+def test_packed_rows_equal_separate_sentences(model):
+    """Two pairs packed into one row (segments 1, 2 with their own positions) give each pair's own logits."""
+    source_a, source_b = jnp.array([5, 6, 7, 1]), jnp.array([9, 10, 1])
+    target_a, target_b = jnp.array([0, 11, 12]), jnp.array([0, 15, 16, 17])
+    separate_a = apply(model, source_a[None], target_a[None])[0]
+    separate_b = apply(model, source_b[None], target_b[None])[0]
+    packing = dict(inputs_segmentation=jnp.array([[1, 1, 1, 1, 2, 2, 2]]),
+                   inputs_position=jnp.array([[0, 1, 2, 3, 0, 1, 2]]),
+                   targets_segmentation=jnp.array([[1, 1, 1, 2, 2, 2, 2]]),
+                   targets_position=jnp.array([[0, 1, 2, 0, 1, 2, 3]]))
+    packed = apply(model, jnp.concatenate([source_a, source_b])[None], jnp.concatenate([target_a, target_b])[None],
+                   packing)[0]
+    np.testing.assert_allclose(packed[:3], separate_a, atol=1e-4)
+    np.testing.assert_allclose(packed[3:], separate_b, atol=1e-4)
+
+
+def test_cached_decoding_equals_teacher_forced_pass(model):
+    logits = apply(model, INPUTS, DECODER_INPUTS)
+
+    @nnx.jit
+    def decode_all(model, inputs, decoder_inputs):
+        cache = model.init_cache(model.encode(inputs), decoder_inputs.shape[1])
+        steps = []
+        for index in range(decoder_inputs.shape[1]):
+            step_logits, cache = model.decode_step(decoder_inputs[:, index], jnp.int32(index), cache, inputs)
+            steps.append(step_logits)
+        return jnp.stack(steps, axis=1)
+    np.testing.assert_allclose(decode_all(model, INPUTS, DECODER_INPUTS), logits, atol=1e-4)
+
+
+def test_dropout_is_active_only_when_not_deterministic():
+    model = Transformer(ModelConfig(**TINY, dropout_rate=0.3), rngs=nnx.Rngs(0))
+
+    @nnx.jit(static_argnames="deterministic")
+    def run(model, key, deterministic):
+        return model(INPUTS, DECODER_INPUTS, deterministic=deterministic, rngs=nnx.Rngs(dropout=key))
+    key_1, key_2 = jax.random.key(1), jax.random.key(2)
+    eval_logits = run(model, key_1, True)
+    np.testing.assert_allclose(run(model, key_2, True), eval_logits, atol=1e-6)
+    train_a, train_b, train_c = run(model, key_1, False), run(model, key_1, False), run(model, key_2, False)
+    np.testing.assert_allclose(train_a, train_b, atol=1e-6)  # same key, same masks
+    assert np.abs(train_a - eval_logits).max() > 1e-2 and np.abs(train_a - train_c).max() > 1e-2
+
+
+def test_sinusoids_match_the_paper_formula():
+    encoding = np.asarray(sinusoidal_positions(jnp.arange(50)[None], 16))[0]
+    position, i = 37, 3
+    np.testing.assert_allclose(encoding[position, 2 * i], np.sin(position / 10000 ** (2 * i / 16)), atol=1e-5)
+    np.testing.assert_allclose(encoding[position, 2 * i + 1], np.cos(position / 10000 ** (2 * i / 16)), atol=1e-5)
+
+
+def test_attention_mask_blocks_padding_other_segments_and_future():
+    mask = np.asarray(attention_mask(jnp.array([[1, 1, 2, 0]]), jnp.array([[1, 1, 2, 0]]), causal=True))[0, 0]
+    expected = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]], bool)
+    np.testing.assert_array_equal(mask, expected)
+
+
+def test_embedding_sharing_options_change_the_parameter_count():
+    def count(**options):
+        model = nnx.eval_shape(lambda: Transformer(ModelConfig(**TINY, **options), rngs=nnx.Rngs(0)))
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    shared = count()
+    assert count(share_embeddings=False) == shared + 40 * 32
+    assert count(share_embeddings=False, tie_output_embedding=False) == shared + 2 * 40 * 32
+    assert count(positional_encoding="learned", max_length=64) == shared + 64 * 32
+
+
+def test_bfloat16_compute_keeps_float32_params_and_logits():
+    model = Transformer(ModelConfig(**TINY, dtype="bfloat16"), rngs=nnx.Rngs(0))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    reference = Transformer(ModelConfig(**TINY), rngs=nnx.Rngs(0))
+    logits = apply(model, INPUTS, DECODER_INPUTS)
+    assert logits.dtype == jnp.float32
+    np.testing.assert_allclose(logits, reference(INPUTS, DECODER_INPUTS), atol=0.1)  # bf16 has ~3 digits
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(num_heads=5), "num_heads=5 must divide emb_dim=32"),
+    (dict(layer_norm="middle"), "layer_norm='middle'"),
+    (dict(dtype="float16"), "dtype='float16'"),
+    (dict(dropout_rate=1.5), "dropout_rate=1.5"),
+])
+def test_bad_model_configs_fail_naming_the_field(bad, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**{**TINY, **bad})

@@ -1,0 +1,91 @@
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from transformer.model import ModelConfig
+from transformer.optim import OptimizerConfig, make_optimizer
+from transformer.steps import eval_step, label_smoothed_cross_entropy, shift_right, summarize, train_step
+from transformer.trainer import create_train_state, model_graphdef
+
+
+def test_label_smoothed_loss_matches_a_hand_computation():
+    logits = np.array([[2.0, 0.5, -1.0, 0.0]], np.float32)
+    eps, vocab = 0.1, 4
+    log_probs = logits[0] - np.log(np.sum(np.exp(logits[0])))
+    soft = np.full(vocab, eps / (vocab - 1))
+    soft[1] = 1 - eps
+    expected = -np.sum(soft * log_probs) + np.sum(soft * np.log(soft))  # KL(soft || model)
+    np.testing.assert_allclose(label_smoothed_cross_entropy(jnp.asarray(logits), jnp.array([1]), eps)[0], expected,
+                               rtol=1e-5)
+    # Without smoothing it is the plain negative log-likelihood.
+    np.testing.assert_allclose(label_smoothed_cross_entropy(jnp.asarray(logits), jnp.array([1]), 0.0)[0],
+                               -log_probs[1], rtol=1e-5)
+
+
+def test_shift_right_starts_every_packed_segment_with_zero():
+    targets = jnp.array([[4, 5, 1, 7, 1, 0]])
+    segmentation = jnp.array([[1, 1, 1, 2, 2, 0]])
+    np.testing.assert_array_equal(shift_right(targets), [[0, 4, 5, 1, 7, 1]])
+    np.testing.assert_array_equal(shift_right(targets, segmentation), [[0, 4, 5, 0, 7, 0]])
+
+
+def test_summarize_divides_sums_by_the_token_count():
+    steps = [{"loss": 6.0, "nll": 4.0, "correct": 2.0, "denominator": 4.0, "source_tokens": 5.0, "learning_rate": 1.0},
+             {"loss": 2.0, "nll": 0.0, "correct": 4.0, "denominator": 4.0, "source_tokens": 3.0, "learning_rate": 3.0}]
+    summary = summarize(steps)
+    assert summary["loss"] == 1.0 and summary["accuracy"] == 0.75 and summary["learning_rate"] == 2.0
+    np.testing.assert_allclose(summary["perplexity"], np.exp(0.5))
+    assert summary["target_tokens"] == 8.0 and summary["source_tokens"] == 8.0
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    model_config = ModelConfig(vocab_size=30, emb_dim=32, num_heads=4, num_encoder_layers=1, num_decoder_layers=1,
+                               mlp_dim=64, dropout_rate=0.1)
+    optimizer, schedule = make_optimizer(OptimizerConfig(learning_rate_scale=1.0, warmup_steps=10), 32)
+    graphdef = model_graphdef(model_config)
+    train = jax.jit(functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, schedule=schedule,
+                                      label_smoothing=0.1))
+    evaluate = jax.jit(functools.partial(eval_step, graphdef=graphdef, label_smoothing=0.1))
+    return model_config, optimizer, train, evaluate
+
+
+BATCH = {"inputs": jnp.array([[5, 6, 7, 8, 1, 0], [9, 10, 11, 1, 0, 0]]),
+         "targets": jnp.array([[12, 13, 14, 1, 0, 0], [15, 16, 17, 18, 19, 1]])}
+
+
+def test_a_few_steps_on_a_fixed_batch_lower_the_loss(compiled):
+    model_config, optimizer, train, evaluate = compiled
+    state = create_train_state(model_config, optimizer, seed=0)
+    before = evaluate(state.params, BATCH)
+    for _ in range(30):
+        state, metrics = train(state, BATCH)
+    after = evaluate(state.params, BATCH)
+    assert int(state.step) == 30
+    assert float(before["denominator"]) == 10.0  # non-padding target tokens
+    assert float(after["loss"]) < 0.5 * float(before["loss"])
+    assert np.isfinite(float(metrics["grad_norm"])) and float(metrics["learning_rate"]) > 0
+
+
+def test_train_step_is_deterministic_given_state(compiled):
+    model_config, optimizer, train, _ = compiled
+    state = create_train_state(model_config, optimizer, seed=3)
+    first, _ = train(state, BATCH)
+    second, _ = train(state, BATCH)
+    for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_train_and_eval_steps_make_no_implicit_host_transfers(compiled):
+    model_config, optimizer, train, evaluate = compiled
+    state = create_train_state(model_config, optimizer, seed=0)
+    batch = jax.device_put(BATCH)
+    train(state, batch), evaluate(state.params, batch)  # compile outside the guard
+    with jax.transfer_guard("disallow"):
+        state, metrics = train(state, batch)
+        evaluate(state.params, batch)
+    assert jax.device_get(metrics)["denominator"] == 10.0

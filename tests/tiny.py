@@ -1,0 +1,37 @@
+"""Shared by the tests: a tiny config (a small model on a slice of the built-in corpus, fast on 2 CPU
+cores) and a digest of a directory's files (to show that a failed start left a workdir untouched)."""
+
+import hashlib
+import os
+
+from configs import default
+
+# Dotted overrides of configs/default.py; the same list drives train.py on the command line.
+TINY_OVERRIDES = {
+    "data.builtin_train_size": 2000, "data.builtin_valid_size": 64, "data.builtin_test_size": 64,
+    "data.vocab_size": 300, "data.max_length": 48, "data.tokens_per_batch": 384,
+    "model.emb_dim": 32, "model.num_heads": 2, "model.num_encoder_layers": 1, "model.num_decoder_layers": 1,
+    "model.mlp_dim": 64, "optimizer.warmup_steps": 10, "train.num_train_steps": 6, "train.log_every_steps": 2,
+    "train.eval_every_steps": 3, "train.checkpoint_every_steps": 3, "train.keep_checkpoints": 5,
+    "decode.batch_size": 32, "decode.max_extra_length": 4,
+}
+
+
+def make_tiny_config(**overrides):
+    config = default.get_config()
+    for key, value in {**TINY_OVERRIDES, **overrides}.items():
+        section, field = key.split(".")
+        config[section][field] = value
+    return config
+
+
+def tree_digest(directory) -> str:
+    """A hash of every file's path and bytes under directory."""
+    digest = hashlib.sha256()
+    for root, _, files in sorted(os.walk(directory)):
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            digest.update(path.encode())
+            with open(path, "rb") as handle:
+                digest.update(handle.read())
+    return digest.hexdigest()

@@ -1,0 +1,94 @@
+"""Orbax checkpoints of the TrainState in `workdir/checkpoints`: periodic async saves, keep-N, resume.
+
+A restore first compares the checkpoint's array shapes with the model being built, so a checkpoint
+from another model shape fails with a message naming the first differing parameter, and is not touched.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+PyTree = Any
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint on disk does not fit the model being built."""
+
+
+def _path_str(path) -> str:
+    return "/".join(str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))) for key in path)
+
+
+def _shapes_by_path(tree: PyTree) -> dict[str, tuple[int, ...]]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {_path_str(path): tuple(leaf.shape) for path, leaf in leaves if hasattr(leaf, "shape")}
+
+
+def check_compatible(saved: PyTree, expected: PyTree, directory: str) -> None:
+    """Raise CheckpointMismatchError naming the first missing, unexpected or differently shaped array."""
+    saved_shapes, expected_shapes = _shapes_by_path(saved), _shapes_by_path(expected)
+    for name in sorted(expected_shapes, key=lambda n: (not n.startswith("params"), n)):  # params first
+        if name not in saved_shapes:
+            raise CheckpointMismatchError(
+                f"checkpoint in {directory} has no array {name!r}: it was written by a different model or "
+                "optimizer configuration. Use another --workdir, or the config the checkpoint was trained with "
+                "(saved as config.json beside it).")
+        if saved_shapes[name] != expected_shapes[name]:
+            raise CheckpointMismatchError(
+                f"checkpoint in {directory}: {name!r} has shape {saved_shapes[name]} but the model built from "
+                f"this config expects {expected_shapes[name]}. Use another --workdir, or the config the "
+                "checkpoint was trained with (saved as config.json beside it).")
+    extra = sorted(set(saved_shapes) - set(expected_shapes))
+    if extra:
+        raise CheckpointMismatchError(
+            f"checkpoint in {directory} holds {extra[0]!r}, which the model built from this config does not have.")
+
+
+class Checkpointer:
+    """A thin owner of one ocp.CheckpointManager."""
+
+    def __init__(self, directory: str, *, save_every_steps: int, keep: int, use_async: bool = True):
+        self.directory = os.path.abspath(directory)
+        self.save_every_steps = save_every_steps
+        # The interval is ours to apply (orbax's policy would also save the very first step of a run).
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=use_async, create=True)
+        # Naming the handler lets a fresh manager read an existing checkpoint's metadata (for the shape check).
+        self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                             item_handlers=ocp.StandardCheckpointHandler())
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def restore(self, abstract_state: PyTree, step: int | None = None) -> PyTree:
+        """Restore `step` (default: latest) into the structure, shapes and dtypes of `abstract_state`."""
+        step = self.latest_step() if step is None else step
+        if step is None or step not in self.all_steps():
+            raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; found {self.all_steps()}")
+        check_compatible(self.manager.item_metadata(step), abstract_state, self.directory)
+        return self.manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+
+    def save(self, step: int, state: PyTree, *, force: bool = False) -> bool:
+        """Start an asynchronous save when `step` is a multiple of save_every_steps (or force); returns whether
+        it saves. The state is copied to the host before this returns, so the caller may donate it next."""
+        if not force and step % self.save_every_steps:
+            return False
+        return self.manager.save(step, args=ocp.args.StandardSave(state), force=True)
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def abstract_like(tree: PyTree) -> PyTree:
+    """ShapeDtypeStructs of a concrete or abstract tree (what StandardRestore restores into)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)

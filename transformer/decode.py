@@ -1,0 +1,60 @@
+"""Incremental decoding with the model's key/value caches. Greedy search here; beam search has its own issue.
+
+`greedy_search` is a pure function of (params, inputs), jitted once per input shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from transformer import data
+from transformer.tokenizer import EOS_ID, PAD_ID, Tokenizer
+
+PyTree = Any
+
+
+def greedy_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, max_extra_length: int) -> jax.Array:
+    """inputs [batch, src_length] -> output ids [batch, src_length + max_extra_length], padded with 0 after EOS.
+
+    Stops early once every row has produced EOS (rows of all-padding inputs count as finished).
+    """
+    model = nnx.merge(graphdef, params)
+    batch, max_decode_length = inputs.shape[0], inputs.shape[1] + max_extra_length
+    cache = model.init_cache(model.encode(inputs), max_decode_length)
+    outputs = jnp.zeros((batch, max_decode_length), jnp.int32)
+    finished = jnp.all(inputs == 0, axis=1)
+
+    def not_done(carry):
+        index, _, _, finished, _ = carry
+        return (index < max_decode_length) & ~jnp.all(finished)
+
+    def step(carry):
+        index, previous, cache, finished, outputs = carry
+        logits, cache = model.decode_step(previous, index, cache, inputs)
+        token = jnp.where(finished, PAD_ID, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        outputs = outputs.at[:, index].set(token)
+        return index + 1, token, cache, finished | (token == EOS_ID), outputs
+
+    start = (jnp.int32(0), jnp.zeros((batch,), jnp.int32), cache, finished, outputs)
+    return jax.lax.while_loop(not_done, step, start)[-1]
+
+
+def translate(search: Callable[[PyTree, jax.Array], jax.Array], params: PyTree, tokenizer: Tokenizer,
+              sentences: list[str], batch_size: int) -> list[str]:
+    """Translate sentences in length-sorted batches with a jitted `search(params, inputs)`; keeps input order."""
+    if not sentences:
+        return []
+    inputs = tokenizer.encode(sentences)
+    translations: list[str] = [""] * len(sentences)
+    for indices, batch in data.decode_batches(inputs, batch_size):
+        outputs = np.asarray(search(params, batch))
+        for index, ids in zip(indices, outputs):
+            if index >= 0:
+                translations[index] = tokenizer.decode(ids)
+    return translations

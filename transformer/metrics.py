@@ -1,0 +1,93 @@
+"""Scores and logs: sacreBLEU with its signature; TensorBoard, a metrics JSONL and console lines."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import sacrebleu
+
+
+def _console_logger() -> logging.Logger:
+    """Our own progress lines, timestamped on stdout; absl/orbax chatter stays at absl's WARNING level."""
+    logger = logging.getLogger("transformer")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return logger
+
+
+log = _console_logger()
+
+
+def bleu(hypotheses: list[str], references: list[str], *, target_lang: str | None = None) -> dict[str, Any]:
+    """Corpus sacreBLEU (13a tokenizer, cased; ja/zh/ko get their own tokenizers) with its signature."""
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
+    metric = sacrebleu.metrics.BLEU(trg_lang=target_lang or "")
+    score = metric.corpus_score(hypotheses, [references])
+    return {"bleu": score.score, "signature": str(metric.get_signature()), "precisions": score.precisions,
+            "brevity_penalty": score.bp, "hypothesis_length": score.sys_len, "reference_length": score.ref_len}
+
+
+class MetricWriter:
+    """Writes scalars to TensorBoard (workdir/tensorboard) and appends them as JSON lines (workdir/metrics.jsonl)."""
+
+    def __init__(self, workdir: str, enabled: bool = True):
+        self.enabled = enabled
+        if not enabled:
+            return
+        from tensorboardX import SummaryWriter  # imported here: slow, and only the writing process needs it
+
+        self.tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+
+    def write(self, step: int, scalars: dict[str, float], prefix: str) -> None:
+        if not self.enabled:
+            return
+        for key, value in scalars.items():
+            if isinstance(value, (int, float)):
+                self.tensorboard.add_scalar(f"{prefix}/{key}", value, step)
+        self.jsonl.write(json.dumps({"step": step, "split": prefix, "time": time.time(), **scalars}) + "\n")
+        self.jsonl.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.tensorboard.close()
+            self.jsonl.close()
+
+
+class Progress:
+    """A tqdm bar with step, loss, lr, tokens/s and ETA on a terminal; nothing extra otherwise (log lines do)."""
+
+    def __init__(self, total: int, initial: int):
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+    def update(self, steps: int, summary: dict[str, float] | None = None) -> None:
+        if self.bar is None:
+            return
+        self.bar.update(steps)
+        if summary:
+            self.bar.set_postfix(loss=f"{summary['loss']:.3f}", lr=f"{summary['learning_rate']:.2e}",
+                                 tok_s=f"{summary.get('tokens_per_second', 0):.0f}", refresh=False)
+
+    def write(self, line: str) -> None:
+        if self.bar is None:
+            log.info(line)
+        else:
+            self.bar.write(line)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,371 @@
+"""The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), top to bottom, in Flax NNX.
+
+Reading order: ModelConfig -> masks -> positions -> Embedder -> MultiHeadAttention -> FeedForward ->
+EncoderLayer / DecoderLayer -> Transformer (encode, decode, decode_step, init_cache).
+
+Conventions:
+  * token id 0 is padding (and the decoder's start symbol, as in tensor2tensor and flax's wmt example);
+  * every call takes optional `*_segmentation` / `*_position` arrays so that several sentences can be
+    packed into one row: attention never crosses a segment boundary, and segment 0 is padding;
+  * parameters are float32; matmuls run in `config.dtype`; logits come out in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Array = jax.Array
+Cache = list[dict[str, Array]]  # one dict per decoder layer: key, value, cross_key, cross_value
+
+POSITIONAL_ENCODINGS = ("sinusoidal", "learned")
+LAYER_NORMS = ("post", "pre")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Every shape and rate of the model. Built from `config.model` plus the tokenizer's vocab_size."""
+
+    vocab_size: int
+    emb_dim: int = 512  # d_model
+    num_heads: int = 8  # h; d_k = d_v = emb_dim // num_heads
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    mlp_dim: int = 2048  # d_ff
+    dropout_rate: float = 0.1  # P_drop: embeddings and each sublayer's output before the residual add
+    attention_dropout_rate: float = 0.0  # on the attention weights (tensor2tensor's attention_dropout)
+    relu_dropout_rate: float = 0.0  # inside the feed-forward, after the ReLU (tensor2tensor's relu_dropout)
+    positional_encoding: str = "sinusoidal"  # or "learned"
+    max_length: int = 256  # table size of learned positions; sinusoids have no limit
+    layer_norm: str = "post"  # "post" as in the paper; "pre" adds a final LayerNorm to each stack
+    layer_norm_epsilon: float = 1e-6
+    share_embeddings: bool = True  # one embedding table for source and target
+    tie_output_embedding: bool = True  # the pre-softmax projection reuses the target embedding
+    dtype: str = "float32"  # compute dtype of the matmuls: float32 or bfloat16
+
+    def __post_init__(self):
+        checks = [
+            (self.vocab_size > 0, f"vocab_size must be positive, got {self.vocab_size}"),
+            (self.num_heads > 0 and self.emb_dim % self.num_heads == 0,
+             f"num_heads={self.num_heads} must divide emb_dim={self.emb_dim}"),
+            (self.positional_encoding in POSITIONAL_ENCODINGS,
+             f"positional_encoding={self.positional_encoding!r} is not one of {POSITIONAL_ENCODINGS}"),
+            (self.layer_norm in LAYER_NORMS, f"layer_norm={self.layer_norm!r} is not one of {LAYER_NORMS}"),
+            (self.dtype in DTYPES, f"dtype={self.dtype!r} is not one of {tuple(DTYPES)}"),
+            (self.emb_dim % 2 == 0, f"emb_dim={self.emb_dim} must be even for sinusoidal positions"),
+        ]
+        for rate_name in ("dropout_rate", "attention_dropout_rate", "relu_dropout_rate"):
+            rate = getattr(self, rate_name)
+            checks.append((0.0 <= rate < 1.0, f"{rate_name}={rate} must be in [0, 1)"))
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"model config: {message}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.emb_dim // self.num_heads
+
+    @property
+    def compute_dtype(self) -> Any:
+        return DTYPES[self.dtype]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Masks and positions
+
+
+def segmentation_of(tokens: Array, segmentation: Array | None) -> Array:
+    """Unpacked rows are one segment: every non-padding token is segment 1, padding is 0."""
+    return (tokens != 0).astype(jnp.int32) if segmentation is None else segmentation
+
+
+def positions_of(tokens: Array, positions: Array | None) -> Array:
+    if positions is not None:
+        return positions
+    return jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
+
+
+def attention_mask(query_segmentation: Array, key_segmentation: Array, causal: bool = False) -> Array:
+    """[batch, 1, q_length, k_length] bool: same segment, key not padding, (causal) key not in the future.
+
+    Segments are contiguous within a row, so "not in the future" is a comparison of row indices.
+    """
+    mask = (query_segmentation[:, :, None] == key_segmentation[:, None, :]) & (key_segmentation[:, None, :] != 0)
+    if causal:
+        q_length, k_length = query_segmentation.shape[-1], key_segmentation.shape[-1]
+        mask &= jnp.arange(q_length)[:, None] >= jnp.arange(k_length)[None, :]
+    return mask[:, None, :, :]
+
+
+def sinusoidal_positions(positions: Array, emb_dim: int) -> Array:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...): the paper's interleaved layout.
+
+    Computed from the positions themselves rather than a table, so decoding has no length limit.
+    """
+    inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, emb_dim, 2, dtype=jnp.float32) / emb_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, length, emb_dim / 2]
+    return jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(*positions.shape, emb_dim)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Layers
+
+
+class Embedder(nnx.Module):
+    """Token embedding scaled by sqrt(d_model), plus positions, then dropout (paper section 3.4, 3.5)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        # stddev d^-0.5 makes the sqrt(d)-scaled embedding unit-variance, and suits the tied output layer.
+        init = nnx.initializers.normal(stddev=config.emb_dim**-0.5)
+        self.embedding = nnx.Embed(config.vocab_size, config.emb_dim, embedding_init=init, rngs=rngs)
+        if config.positional_encoding == "learned":
+            self.position_embedding = nnx.Embed(
+                config.max_length, config.emb_dim, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+        self.dropout = nnx.Dropout(config.dropout_rate)
+
+    def __call__(self, tokens: Array, positions: Array, *, deterministic: bool, rngs: nnx.Rngs | None) -> Array:
+        """tokens, positions: [batch, length] int -> [batch, length, embed] in the compute dtype."""
+        x = self.embedding(tokens) * math.sqrt(self.config.emb_dim)
+        if self.config.positional_encoding == "learned":
+            x = x + self.position_embedding(positions)
+        else:
+            x = x + sinusoidal_positions(positions, self.config.emb_dim)
+        x = self.dropout(x, deterministic=deterministic, rngs=rngs)
+        return x.astype(self.config.compute_dtype)
+
+    def logits(self, x: Array) -> Array:
+        """[batch, length, embed] -> [batch, length, vocab] float32, through the transposed embedding."""
+        table = self.embedding.embedding[...].astype(x.dtype)
+        return jnp.einsum("ble,ve->blv", x, table, preferred_element_type=jnp.float32)
+
+
+def dot_product_attention(query: Array, key: Array, value: Array, mask: Array, dropout: nnx.Dropout, *,
+                          deterministic: bool, rngs: nnx.Rngs | None) -> Array:
+    """softmax(Q K^T / sqrt(d_k)) V with a boolean mask; softmax in float32.
+
+    query [batch, q_length, heads, head_dim], key/value [batch, k_length, heads, head_dim],
+    mask [batch, 1, q_length, k_length] -> [batch, q_length, heads, head_dim].
+    """
+    query = query / jnp.sqrt(query.shape[-1]).astype(query.dtype)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
+    weights = dropout(weights, deterministic=deterministic, rngs=rngs)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, value)
+
+
+class MultiHeadAttention(nnx.Module):
+    """h parallel heads of scaled dot-product attention with learned projections (paper section 3.2.2).
+
+    Projections have no bias, as in tensor2tensor.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        dim, dtype = config.emb_dim, config.compute_dtype
+        def linear():
+            return nnx.Linear(dim, dim, use_bias=False, dtype=dtype, rngs=rngs)
+        self.query, self.key, self.value, self.output = linear(), linear(), linear(), linear()
+        self.dropout = nnx.Dropout(config.attention_dropout_rate)
+
+    def split_heads(self, x: Array) -> Array:
+        return x.reshape(*x.shape[:-1], self.config.num_heads, self.config.head_dim)
+
+    def keys_values(self, x: Array) -> tuple[Array, Array]:
+        """[batch, length, embed] -> keys and values, each [batch, length, heads, head_dim]."""
+        return self.split_heads(self.key(x)), self.split_heads(self.value(x))
+
+    def __call__(self, x: Array, keys: Array, values: Array, mask: Array, *, deterministic: bool,
+                 rngs: nnx.Rngs | None) -> Array:
+        """Queries from x [batch, q_length, embed] over given keys/values -> [batch, q_length, embed]."""
+        attended = dot_product_attention(self.split_heads(self.query(x)), keys, values, mask, self.dropout,
+                                         deterministic=deterministic, rngs=rngs)
+        return self.output(attended.reshape(*x.shape[:-1], self.config.emb_dim))
+
+
+class FeedForward(nnx.Module):
+    """FFN(x) = max(0, x W1 + b1) W2 + b2 (paper section 3.3), with relu dropout between."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        dtype = config.compute_dtype
+        self.hidden = nnx.Linear(config.emb_dim, config.mlp_dim, dtype=dtype, rngs=rngs)
+        self.output = nnx.Linear(config.mlp_dim, config.emb_dim, dtype=dtype, rngs=rngs)
+        self.dropout = nnx.Dropout(config.relu_dropout_rate)
+
+    def __call__(self, x: Array, *, deterministic: bool, rngs: nnx.Rngs | None) -> Array:
+        hidden = self.dropout(jax.nn.relu(self.hidden(x)), deterministic=deterministic, rngs=rngs)
+        return self.output(hidden)
+
+
+class Residual(nnx.Module):
+    """Add & norm around one sublayer: post-LN LayerNorm(x + Dropout(f(x))), or pre-LN x + Dropout(f(LayerNorm(x)))."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.pre_norm = config.layer_norm == "pre"
+        self.norm = nnx.LayerNorm(config.emb_dim, epsilon=config.layer_norm_epsilon, dtype=config.compute_dtype,
+                                  rngs=rngs)
+        self.dropout = nnx.Dropout(config.dropout_rate)
+
+    def __call__(self, x: Array, sublayer, *, deterministic: bool, rngs: nnx.Rngs | None) -> Array:
+        y = sublayer(self.norm(x) if self.pre_norm else x)
+        x = x + self.dropout(y, deterministic=deterministic, rngs=rngs)
+        return x if self.pre_norm else self.norm(x)
+
+
+class EncoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.self_attention = MultiHeadAttention(config, rngs=rngs)
+        self.self_attention_residual = Residual(config, rngs=rngs)
+        self.feed_forward = FeedForward(config, rngs=rngs)
+        self.feed_forward_residual = Residual(config, rngs=rngs)
+
+    def __call__(self, x: Array, mask: Array, *, deterministic: bool, rngs: nnx.Rngs | None) -> Array:
+        """x [batch, length, embed], mask [batch, 1, length, length] -> [batch, length, embed]."""
+        kw = dict(deterministic=deterministic, rngs=rngs)
+        def attend(y):
+            return self.self_attention(y, *self.self_attention.keys_values(y), mask, **kw)
+        x = self.self_attention_residual(x, attend, **kw)
+        return self.feed_forward_residual(x, lambda y: self.feed_forward(y, **kw), **kw)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.self_attention = MultiHeadAttention(config, rngs=rngs)
+        self.self_attention_residual = Residual(config, rngs=rngs)
+        self.cross_attention = MultiHeadAttention(config, rngs=rngs)
+        self.cross_attention_residual = Residual(config, rngs=rngs)
+        self.feed_forward = FeedForward(config, rngs=rngs)
+        self.feed_forward_residual = Residual(config, rngs=rngs)
+
+    def __call__(self, x: Array, encoded: Array, self_mask: Array, cross_mask: Array, *, deterministic: bool,
+                 rngs: nnx.Rngs | None, cache: dict[str, Array] | None = None,
+                 cache_index: Array | None = None) -> tuple[Array, dict[str, Array] | None]:
+        """x [batch, length, embed], encoded [batch, src_length, embed] -> ([batch, length, embed], cache).
+
+        With a cache, x is the one new position `cache_index`: its key/value is written into the cache and
+        the query attends to every cached position (the mask hides the unwritten ones); cross-attention
+        reuses the encoder keys/values computed once by `Transformer.init_cache`.
+        """
+        kw = dict(deterministic=deterministic, rngs=rngs)
+
+        def self_attend(y):
+            nonlocal cache
+            keys, values = self.self_attention.keys_values(y)
+            if cache is not None:
+                start = (0, cache_index, 0, 0)
+                keys = jax.lax.dynamic_update_slice(cache["key"], keys.astype(cache["key"].dtype), start)
+                values = jax.lax.dynamic_update_slice(cache["value"], values.astype(cache["value"].dtype), start)
+                cache = {**cache, "key": keys, "value": values}
+            return self.self_attention(y, keys, values, self_mask, **kw)
+
+        def cross_attend(y):
+            if cache is not None:
+                keys, values = cache["cross_key"], cache["cross_value"]
+            else:
+                keys, values = self.cross_attention.keys_values(encoded)
+            return self.cross_attention(y, keys, values, cross_mask, **kw)
+
+        x = self.self_attention_residual(x, self_attend, **kw)
+        x = self.cross_attention_residual(x, cross_attend, **kw)
+        x = self.feed_forward_residual(x, lambda y: self.feed_forward(y, **kw), **kw)
+        return x, cache
+
+
+class Transformer(nnx.Module):
+    """Encoder-decoder with shared embeddings: `encode`, `decode` (teacher-forced), `decode_step` (cached)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.target_embedder = Embedder(config, rngs=rngs)
+        self.source_embedder = self.target_embedder if config.share_embeddings else Embedder(config, rngs=rngs)
+        if not config.tie_output_embedding:
+            self.output_projection = nnx.Linear(config.emb_dim, config.vocab_size, use_bias=False,
+                                                dtype=config.compute_dtype, rngs=rngs)
+        self.encoder_layers = nnx.List([EncoderLayer(config, rngs=rngs) for _ in range(config.num_encoder_layers)])
+        self.decoder_layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_decoder_layers)])
+        if config.layer_norm == "pre":  # pre-LN leaves the residual stream unnormalised: close each stack
+            norm = dict(epsilon=config.layer_norm_epsilon, dtype=config.compute_dtype, rngs=rngs)
+            self.encoder_norm = nnx.LayerNorm(config.emb_dim, **norm)
+            self.decoder_norm = nnx.LayerNorm(config.emb_dim, **norm)
+
+    def encode(self, inputs: Array, *, inputs_segmentation: Array | None = None, inputs_position: Array | None = None,
+               deterministic: bool = True, rngs: nnx.Rngs | None = None) -> Array:
+        """inputs [batch, src_length] int -> encoded [batch, src_length, embed]."""
+        segmentation = segmentation_of(inputs, inputs_segmentation)
+        mask = attention_mask(segmentation, segmentation)
+        x = self.source_embedder(inputs, positions_of(inputs, inputs_position), deterministic=deterministic, rngs=rngs)
+        for layer in self.encoder_layers:
+            x = layer(x, mask, deterministic=deterministic, rngs=rngs)
+        return self.encoder_norm(x) if self.config.layer_norm == "pre" else x
+
+    def decode(self, decoder_inputs: Array, encoded: Array, inputs: Array, *,
+               inputs_segmentation: Array | None = None, targets_segmentation: Array | None = None,
+               targets_position: Array | None = None, deterministic: bool = True,
+               rngs: nnx.Rngs | None = None) -> Array:
+        """Teacher-forced decoder: decoder_inputs [batch, tgt_length] (targets shifted right) -> float32 logits
+        [batch, tgt_length, vocab]. `inputs` (or inputs_segmentation) supplies the source padding mask.
+
+        Without targets_segmentation every position is a query (position 0 holds the start symbol 0).
+        """
+        source_segmentation = segmentation_of(inputs, inputs_segmentation)
+        if targets_segmentation is None:
+            targets_segmentation = jnp.ones_like(decoder_inputs)
+        self_mask = attention_mask(targets_segmentation, targets_segmentation, causal=True)
+        cross_mask = attention_mask(targets_segmentation, source_segmentation)
+        positions = positions_of(decoder_inputs, targets_position)
+        x = self.target_embedder(decoder_inputs, positions, deterministic=deterministic, rngs=rngs)
+        for layer in self.decoder_layers:
+            x, _ = layer(x, encoded, self_mask, cross_mask, deterministic=deterministic, rngs=rngs)
+        return self.logits(x)
+
+    def __call__(self, inputs: Array, decoder_inputs: Array, *, inputs_segmentation: Array | None = None,
+                 inputs_position: Array | None = None, targets_segmentation: Array | None = None,
+                 targets_position: Array | None = None, deterministic: bool = True,
+                 rngs: nnx.Rngs | None = None) -> Array:
+        """The training pass: logits [batch, tgt_length, vocab] float32."""
+        kw = dict(deterministic=deterministic, rngs=rngs)
+        encoded = self.encode(inputs, inputs_segmentation=inputs_segmentation, inputs_position=inputs_position, **kw)
+        return self.decode(decoder_inputs, encoded, inputs, inputs_segmentation=inputs_segmentation,
+                           targets_segmentation=targets_segmentation, targets_position=targets_position, **kw)
+
+    def logits(self, x: Array) -> Array:
+        if self.config.layer_norm == "pre":
+            x = self.decoder_norm(x)
+        if self.config.tie_output_embedding:
+            return self.target_embedder.logits(x)
+        return self.output_projection(x).astype(jnp.float32)
+
+    def init_cache(self, encoded: Array, max_decode_length: int) -> Cache:
+        """Per decoder layer: an empty self-attention key/value cache [batch, max_decode_length, heads, head_dim]
+        and the cross-attention keys/values of `encoded`, computed once for the whole decode."""
+        batch = encoded.shape[0]
+        shape = (batch, max_decode_length, self.config.num_heads, self.config.head_dim)
+        cache = []
+        for layer in self.decoder_layers:
+            cross_key, cross_value = layer.cross_attention.keys_values(encoded)
+            empty = jnp.zeros(shape, cross_key.dtype)
+            cache.append({"key": empty, "value": empty, "cross_key": cross_key, "cross_value": cross_value})
+        return cache
+
+    def decode_step(self, tokens: Array, cache_index: Array, cache: Cache, inputs: Array) -> tuple[Array, Cache]:
+        """One decoding position: tokens [batch] (the previous output, 0 at the start), cache_index a scalar ->
+        (logits [batch, vocab] float32, updated cache). `inputs` [batch, src_length] gives the source mask."""
+        max_decode_length = cache[0]["key"].shape[1]
+        batch = tokens.shape[0]
+        self_mask = jnp.broadcast_to(jnp.arange(max_decode_length) <= cache_index, (batch, 1, 1, max_decode_length))
+        cross_mask = (inputs != 0)[:, None, None, :]
+        positions = jnp.full((batch, 1), cache_index, dtype=jnp.int32)
+        x = self.target_embedder(tokens[:, None], positions, deterministic=True, rngs=None)
+        new_cache = []
+        for layer, layer_cache in zip(self.decoder_layers, cache):
+            x, layer_cache = layer(x, None, self_mask, cross_mask, deterministic=True, rngs=None,
+                                   cache=layer_cache, cache_index=cache_index)
+            new_cache.append(layer_cache)
+        return self.logits(x)[:, 0], new_cache

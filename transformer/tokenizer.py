@@ -1,0 +1,84 @@
+"""Sentencepiece: train one joint vocabulary on the training split, save it in the workdir, load it.
+
+Ids: 0 = padding (also the decoder's start symbol), 1 = end of sentence, 2 = unknown; no BOS.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import tempfile
+from collections.abc import Iterable
+
+import numpy as np
+import sentencepiece as spm
+
+PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
+
+
+class VocabularyError(ValueError):
+    """The vocabulary cannot be trained or loaded as asked."""
+
+
+class Tokenizer:
+    """A loaded sentencepiece model: text <-> int32 ids, with EOS appended on encoding."""
+
+    def __init__(self, model_path: str):
+        self.path = model_path
+        try:
+            self.processor = spm.SentencePieceProcessor(model_file=model_path)
+        except (OSError, RuntimeError) as error:
+            raise VocabularyError(f"cannot load sentencepiece model {model_path}: {error}") from error
+        if self.processor.pad_id() != PAD_ID or self.processor.eos_id() != EOS_ID:
+            raise VocabularyError(
+                f"sentencepiece model {model_path} has pad_id={self.processor.pad_id()}, "
+                f"eos_id={self.processor.eos_id()}; this project needs pad_id={PAD_ID}, eos_id={EOS_ID}")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.processor.get_piece_size()
+
+    def encode(self, texts: list[str]) -> list[np.ndarray]:
+        """Each text -> int32 ids ending in EOS."""
+        return [np.asarray(ids + [EOS_ID], np.int32) for ids in self.processor.encode(texts)]
+
+    def decode(self, ids: np.ndarray | list[int]) -> str:
+        """Ids up to the first EOS (padding dropped) -> text."""
+        ids = [int(i) for i in ids]
+        if EOS_ID in ids:
+            ids = ids[: ids.index(EOS_ID)]
+        return self.processor.decode([i for i in ids if i != PAD_ID])
+
+    def pieces(self, ids: Iterable[int]) -> list[str]:
+        return [self.processor.id_to_piece(int(i)) for i in ids]
+
+
+def train_tokenizer(sentences: list[str], model_path: str, *, vocab_size: int, character_coverage: float = 1.0,
+                    max_sentences: int = 1_000_000, seed: int = 0) -> Tokenizer:
+    """Train a unigram sentencepiece model on (a seeded sample of) `sentences` and write `model_path`.
+
+    The file is written to a temporary name and renamed, so a failure leaves no partial model behind.
+    """
+    if not sentences:
+        raise VocabularyError("cannot train a vocabulary on an empty corpus")
+    if len(sentences) > max_sentences:
+        sentences = random.Random(seed).sample(sentences, max_sentences)
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size, model_type="unigram",
+            character_coverage=character_coverage, pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=-1,
+            input_sentence_size=max_sentences, shuffle_input_sentence=True, num_threads=os.cpu_count() or 1,
+            minloglevel=2)
+    except RuntimeError as error:
+        # sentencepiece says e.g. "Vocabulary size too high (8000). Please set it to a value <= 1234."
+        raise VocabularyError(
+            f"cannot train a sentencepiece vocabulary of size {vocab_size} on {len(sentences)} sentences: "
+            f"{error}. Lower data.vocab_size.") from error
+    directory = os.path.dirname(os.path.abspath(model_path))
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=directory, delete=False, suffix=".tmp") as handle:
+        handle.write(model.getvalue())
+    os.replace(handle.name, model_path)
+    return Tokenizer(model_path)

@@ -1,0 +1,365 @@
+"""The training run behind train.py and the restore behind eval.py: build, compile once, loop, evaluate,
+checkpoint, resume. The ConfigDict stops here: everything below reads frozen dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from transformer import data, decode, metrics
+from transformer.metrics import log
+from transformer.checkpoint import Checkpointer, abstract_like
+from transformer.model import ModelConfig, Transformer
+from transformer.optim import OptimizerConfig, make_optimizer
+from transformer.steps import TrainState, eval_step, summarize, train_step
+from transformer.tokenizer import Tokenizer
+
+CONFIG_FILE = "config.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    num_train_steps: int = 2000
+    label_smoothing: float = 0.1
+    log_every_steps: int = 50
+    eval_every_steps: int = 500
+    bleu_every_steps: int = 0
+    checkpoint_every_steps: int = 500
+    keep_checkpoints: int = 3
+    async_checkpointing: bool = True
+
+    def __post_init__(self):
+        if self.num_train_steps < 0:
+            raise ValueError(f"train.num_train_steps={self.num_train_steps} must be >= 0")
+        for name in ("log_every_steps", "checkpoint_every_steps", "keep_checkpoints"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"train.{name}={getattr(self, name)} must be positive")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"train.label_smoothing={self.label_smoothing} must be in [0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    batch_size: int = 256
+    max_extra_length: int = 50
+    bleu_splits: str = "valid,test"
+
+    @property
+    def splits(self) -> list[str]:
+        splits = [s.strip() for s in self.bleu_splits.split(",") if s.strip()]
+        for split in splits:
+            if split not in data.SPLITS:
+                raise ValueError(f"decode.bleu_splits names {split!r}; expected some of {data.SPLITS}")
+        return splits
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The whole resolved configuration, typed. vocab_size is not here: it comes from the tokenizer."""
+
+    seed: int
+    data: data.DataConfig
+    model: dict[str, Any]
+    optimizer: OptimizerConfig
+    train: TrainConfig
+    decode: DecodeConfig
+
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict) -> "Settings":
+        def build(kind, section, **extra):
+            values = config[section].to_dict() if section in config else {}
+            try:
+                return kind(**values, **extra)
+            except TypeError as error:  # an unknown field: name it rather than drop it
+                known = [f.name for f in dataclasses.fields(kind) if f.name not in extra]
+                unknown = sorted(set(values) - set(known))
+                raise ValueError(f"unknown config key(s) {['config.%s.%s' % (section, k) for k in unknown]}; "
+                                 f"known: {known}") from error
+
+        model = config.model.to_dict()
+        build(ModelConfig, "model", vocab_size=1)  # validates shapes before any data work
+        unknown = sorted(set(config.keys()) - {"seed", "data", "model", "optimizer", "train", "decode"})
+        if unknown:
+            raise ValueError(f"unknown top-level config key(s) {unknown}")
+        settings = cls(seed=int(config.seed), data=build(data.DataConfig, "data"), model=model,
+                       optimizer=build(OptimizerConfig, "optimizer"), train=build(TrainConfig, "train"),
+                       decode=build(DecodeConfig, "decode"))
+        settings.decode.splits  # validates the split names now, before training
+        return settings
+
+    def model_config(self, vocab_size: int) -> ModelConfig:
+        return ModelConfig(vocab_size=vocab_size, **self.model)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model and state
+
+
+def model_graphdef(model_config: ModelConfig) -> nnx.GraphDef:
+    abstract_model = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0)))
+    return nnx.split(abstract_model)[0]
+
+
+def init_params(model_config: ModelConfig, key: jax.Array) -> dict:
+    return nnx.to_pure_dict(nnx.state(Transformer(model_config, rngs=nnx.Rngs(params=key)), nnx.Param))
+
+
+def create_train_state(model_config: ModelConfig, optimizer, seed: int) -> TrainState:
+    def init(key):
+        params_key, dropout_key = jax.random.split(key)
+        params = init_params(model_config, params_key)
+        return TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params), rng=dropout_key)
+    return jax.jit(init)(jax.random.PRNGKey(seed))
+
+
+def abstract_train_state(model_config: ModelConfig, optimizer, seed: int) -> TrainState:
+    return jax.eval_shape(lambda: create_train_state(model_config, optimizer, seed))
+
+
+def count_params(params: dict) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data
+
+
+@dataclasses.dataclass
+class Corpus:
+    tokenizer: Tokenizer
+    pairs: dict[str, list[tuple[str, str]]]  # split -> raw (source, target) sentences
+    examples: dict[str, data.Examples]  # split -> tokenized, length-filtered for train/valid loss
+
+
+def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
+    """Read every split (all input errors surface here, before training), then the tokenizer."""
+    pairs = {split: data.read_split(settings.data, split) for split in splits}
+    tokenizer = data.load_or_train_tokenizer(settings.data, pairs["train"], workdir)
+    examples = {}
+    for split in ("train", "valid"):
+        if split in pairs:
+            examples[split], dropped = data.filter_by_length(data.tokenize(tokenizer, pairs[split]),
+                                                             settings.data.max_length)
+            log.info("%s: %d pairs, %d dropped for length > %d tokens", split, len(examples[split]), dropped,
+                         settings.data.max_length)
+    return Corpus(tokenizer, pairs, examples)
+
+
+def prefetch_to_device(batches: Iterator[dict], size: int = 2) -> Iterator[dict]:
+    """Keep `size` batches in flight to the device while the current step runs."""
+    queue: deque = deque()
+    for batch in batches:
+        queue.append(jax.device_put(batch))
+        if len(queue) >= size:
+            yield queue.popleft()
+    yield from queue
+
+
+# ----------------------------------------------------------------------------------------------------
+# The run
+
+
+class Run:
+    """One training run in one workdir: everything is validated and built in __init__, before any write
+    that could replace an existing file; `train()` then runs the loop."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+        self.config, self.workdir = config, workdir
+        self.settings = settings = Settings.from_config(config)
+        splits = ["train", "valid"] + [s for s in settings.decode.splits if s != "valid"]
+        if os.path.exists(workdir) and not os.path.isdir(workdir):
+            raise NotADirectoryError(f"--workdir={workdir} exists and is not a directory")
+        os.makedirs(workdir, exist_ok=True)
+        self.corpus = load_corpus(settings, workdir, splits)
+        self.model_config = settings.model_config(self.corpus.tokenizer.vocab_size)
+        self.optimizer, self.schedule = make_optimizer(settings.optimizer, self.model_config.emb_dim)
+        self.graphdef = model_graphdef(self.model_config)
+        self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
+                                         save_every_steps=settings.train.checkpoint_every_steps,
+                                         keep=settings.train.keep_checkpoints,
+                                         use_async=settings.train.async_checkpointing)
+        self.state = self._restore_or_init()
+        self.is_writer = jax.process_index() == 0
+        if self.is_writer:
+            with open(os.path.join(workdir, CONFIG_FILE), "w", encoding="utf-8") as handle:
+                handle.write(config.to_json(indent=2))
+
+    def _restore_or_init(self) -> TrainState:
+        latest = self.checkpointer.latest_step()
+        if latest is None:
+            return create_train_state(self.model_config, self.optimizer, self.settings.seed)
+        abstract = abstract_train_state(self.model_config, self.optimizer, self.settings.seed)
+        state = self.checkpointer.restore(abstract, latest)  # raises, touching nothing, on a shape mismatch
+        log.info("resumed from %s at step %d", self.checkpointer.directory, latest)
+        return state
+
+    def compile(self) -> tuple[Any, Any, float]:
+        """The jitted train and eval steps, compiled once on the real shapes; returns the compile seconds."""
+        step_kw = dict(graphdef=self.graphdef, label_smoothing=self.settings.train.label_smoothing)
+        train = jax.jit(functools.partial(train_step, optimizer=self.optimizer, schedule=self.schedule, **step_kw),
+                        donate_argnums=0)
+        evaluate = jax.jit(functools.partial(eval_step, **step_kw))
+        shapes = abstract_like(data.make_batch(self.corpus.examples["train"], [], self.settings.data.rows_per_batch,
+                                               self.settings.data.max_length))
+        start = time.perf_counter()
+        train = train.lower(abstract_like(self.state), shapes).compile()
+        evaluate = evaluate.lower(abstract_like(self.state.params), shapes).compile()
+        return train, evaluate, time.perf_counter() - start
+
+    def search_fn(self):
+        return jax.jit(functools.partial(decode.greedy_search, graphdef=self.graphdef,
+                                         max_extra_length=self.settings.decode.max_extra_length))
+
+    def evaluate_loss(self, evaluate) -> dict[str, float]:
+        batches = data.eval_batches(self.corpus.examples["valid"], max_length=self.settings.data.max_length,
+                                    rows_per_batch=self.settings.data.rows_per_batch)
+        outputs = [evaluate(self.state.params, batch) for batch in batches]
+        summary = summarize(jax.device_get(outputs))
+        return {key: summary[key] for key in ("loss", "accuracy", "perplexity", "target_tokens")}
+
+    def evaluate_bleu(self, search, splits: list[str]) -> dict[str, dict[str, Any]]:
+        scores = {}
+        for split in splits:
+            start = time.perf_counter()
+            sources, references = zip(*self.corpus.pairs[split])
+            hypotheses = decode.translate(search, self.state.params, self.corpus.tokenizer, list(sources),
+                                          self.settings.decode.batch_size)
+            scores[split] = metrics.bleu(hypotheses, list(references), target_lang=self.settings.data.target_lang)
+            scores[split]["decode_seconds"] = time.perf_counter() - start
+            if self.is_writer:
+                step = int(self.state.step)
+                path = os.path.join(self.workdir, f"translations_{split}_step{step}.txt")
+                with open(path, "w", encoding="utf-8") as handle:
+                    handle.writelines(h + "\n" for h in hypotheses)
+        return scores
+
+    def train(self) -> dict[str, Any]:
+        settings, train_config = self.settings, self.settings.train
+        start_step = int(self.state.step)
+        params = count_params(self.state.params)
+        log.info("model: %s parameters; vocab %d; %d rows x %d tokens per batch", f"{params:,}",
+                     self.model_config.vocab_size, settings.data.rows_per_batch, settings.data.max_length)
+        train, evaluate, compile_seconds = self.compile()
+        log.info("compiled train and eval steps in %.1fs", compile_seconds)
+        batches = prefetch_to_device(data.TrainBatches(
+            self.corpus.examples["train"], max_length=settings.data.max_length,
+            rows_per_batch=settings.data.rows_per_batch, seed=settings.seed).iterate(start_step))
+        writer = metrics.MetricWriter(self.workdir, enabled=self.is_writer)
+        progress = metrics.Progress(train_config.num_train_steps, start_step)
+        search = self.search_fn()
+        pending, last_time, last_step, train_seconds = [], time.perf_counter(), start_step, 0.0
+        for step in range(start_step + 1, train_config.num_train_steps + 1):
+            self.state, step_metrics = train(self.state, next(batches))
+            pending.append(step_metrics)
+            if step % train_config.log_every_steps == 0 or step == train_config.num_train_steps:
+                summary = summarize(jax.device_get(pending))  # the loop's only host sync
+                now = time.perf_counter()
+                train_seconds += now - last_time
+                summary["tokens_per_second"] = summary["target_tokens"] / (now - last_time)
+                summary["steps_per_second"] = (step - last_step) / (now - last_time)
+                if not np.isfinite(summary["loss"]):
+                    raise FloatingPointError(f"non-finite training loss {summary['loss']} at step {step}; "
+                                             f"last checkpoint: {self.checkpointer.latest_step()}")
+                eta = (train_config.num_train_steps - step) / summary["steps_per_second"]
+                writer.write(step, summary, "train")
+                progress.update(step - last_step, summary)
+                progress.write(f"step {step}: loss {summary['loss']:.4f} acc {summary['accuracy']:.3f} "
+                               f"lr {summary['learning_rate']:.2e} grad_norm {summary['grad_norm']:.3f} "
+                               f"{summary['tokens_per_second']:.0f} target tokens/s, ETA {eta:.0f}s")
+                pending, last_time, last_step = [], time.perf_counter(), step
+            if step != train_config.num_train_steps:  # the final step is evaluated after the loop
+                paused = time.perf_counter()
+                if train_config.eval_every_steps and step % train_config.eval_every_steps == 0:
+                    self._report_loss(evaluate, writer, progress)
+                if train_config.bleu_every_steps and step % train_config.bleu_every_steps == 0:
+                    self._report_bleu(search, ["valid"], writer, progress)
+                last_time += time.perf_counter() - paused  # evaluation does not count as training time
+            self.checkpointer.save(step, self.state)
+        progress.close()
+        result = {"step": int(self.state.step), "compile_seconds": compile_seconds, "train_seconds": train_seconds}
+        if int(self.state.step) not in self.checkpointer.all_steps():
+            self.checkpointer.save(int(self.state.step), self.state, force=True)
+        result["valid"] = self._report_loss(evaluate, writer, progress)
+        result["bleu"] = self._report_bleu(search, settings.decode.splits, writer, progress)
+        self.checkpointer.wait()
+        self.checkpointer.close()
+        writer.close()
+        if self.is_writer:
+            with open(os.path.join(self.workdir, "scores.json"), "w", encoding="utf-8") as handle:
+                json.dump(result, handle, indent=2)
+        return result
+
+    def _report_loss(self, evaluate, writer, progress) -> dict[str, float]:
+        scores, step = self.evaluate_loss(evaluate), int(self.state.step)
+        writer.write(step, scores, "valid")
+        progress.write(f"step {step}: valid loss {scores['loss']:.4f} accuracy {scores['accuracy']:.3f} "
+                       f"perplexity {scores['perplexity']:.2f}")
+        return scores
+
+    def _report_bleu(self, search, splits, writer, progress) -> dict[str, dict[str, Any]]:
+        scores = self.evaluate_bleu(search, splits)
+        step = int(self.state.step)
+        for split, score in scores.items():
+            writer.write(step, {"bleu": score["bleu"], "decode_seconds": score["decode_seconds"]}, f"{split}_bleu")
+            progress.write(f"step {step}: {split} BLEU {score['bleu']:.2f} ({score['signature']}), "
+                           f"decoded in {score['decode_seconds']:.1f}s")
+        return scores
+
+
+# ----------------------------------------------------------------------------------------------------
+# Restore for evaluation
+
+
+def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
+    path = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: --workdir must be a directory written by train.py")
+    with open(path, encoding="utf-8") as handle:
+        return ml_collections.ConfigDict(json.load(handle))
+
+
+@dataclasses.dataclass
+class Restored:
+    """A trained model read back from a workdir: what eval.py and translation need."""
+
+    settings: Settings
+    model_config: ModelConfig
+    graphdef: nnx.GraphDef
+    params: dict
+    tokenizer: Tokenizer
+    step: int
+
+    def search_fn(self):
+        return jax.jit(functools.partial(decode.greedy_search, graphdef=self.graphdef,
+                                         max_extra_length=self.settings.decode.max_extra_length))
+
+
+def restore(workdir: str, step: int | None = None) -> Restored:
+    """The config, tokenizer and parameters of `workdir` at `step` (default: the latest checkpoint)."""
+    settings = Settings.from_config(load_workdir_config(workdir))
+    vocab_path = settings.data.vocab_path or os.path.join(workdir, "vocab.model")
+    tokenizer = Tokenizer(vocab_path)
+    model_config = settings.model_config(tokenizer.vocab_size)
+    optimizer, _ = make_optimizer(settings.optimizer, model_config.emb_dim)
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), save_every_steps=1, keep=1, use_async=False)
+    try:
+        step = checkpointer.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {checkpointer.directory}")
+        state = checkpointer.restore(abstract_train_state(model_config, optimizer, settings.seed), step)
+    finally:
+        checkpointer.close()
+    return Restored(settings, model_config, model_graphdef(model_config), state.params, tokenizer, step)
