@@ -29,15 +29,17 @@ def read_lines(path: str) -> list[str]:
         with open(path, encoding="utf-8") as handle:
             return [line.strip() for line in handle]
     except (OSError, UnicodeDecodeError) as error:
-        raise sources.DataError(f"cannot read --input={path}: {error}") from error
+        raise sources.DataError(f"cannot read {path}: {error}") from error
 
 
 def evaluate(restored: trainer.Restored, name: str, source_sentences: list[str], references: list[str] | None,
              output_path: str) -> dict:
     batch_size = FLAGS.batch_size or restored.settings.decode.batch_size
+    if batch_size <= 0:
+        raise app.UsageError(f"--batch_size={batch_size} must be positive")
     start = time.perf_counter()
     hypotheses = decode.translate(restored.search_fn(), restored.params, restored.tokenizer, source_sentences,
-                                  batch_size)
+                                  batch_size, restored.model_config.position_limit)
     seconds = time.perf_counter() - start
     os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
     with open(output_path, "w", encoding="utf-8") as handle:
@@ -53,13 +55,18 @@ def evaluate(restored: trainer.Restored, name: str, source_sentences: list[str],
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; --verbosity=0 shows it
+        logging.set_verbosity(logging.WARNING)
     restored = trainer.restore(FLAGS.workdir, FLAGS.step)
     out_dir = os.path.join(FLAGS.workdir, "eval")
     results = []
     if FLAGS.input:
         source_sentences, references = read_lines(FLAGS.input), None
         if FLAGS.reference:
-            source_sentences, references = map(list, zip(*sources.read_text_pair(FLAGS.input, FLAGS.reference)))
+            references = read_lines(FLAGS.reference)
+            if len(references) != len(source_sentences):
+                raise sources.DataError(f"{len(source_sentences)} lines in --input={FLAGS.input} but "
+                                        f"{len(references)} lines in --reference={FLAGS.reference}")
         output = FLAGS.output or os.path.join(out_dir, f"{os.path.basename(FLAGS.input)}.step{restored.step}.txt")
         results.append(evaluate(restored, FLAGS.input, source_sentences, references, output))
     else:
@@ -75,5 +82,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    flags.FLAGS.set_default("verbosity", logging.WARNING)  # quiet orbax's INFO lines; --verbosity=0 shows them
     app.run(main)

@@ -18,11 +18,12 @@ flags.DEFINE_string("workdir", None, "Directory for checkpoints, vocabulary, log
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; --verbosity=0 shows it
+        logging.set_verbosity(logging.WARNING)
     result = trainer.Run(flags.FLAGS.config, flags.FLAGS.workdir).train()
     for split, score in result["bleu"].items():
         print(f"{split} BLEU {score['bleu']:.2f}  {score['signature']}")
 
 
 if __name__ == "__main__":
-    flags.FLAGS.set_default("verbosity", logging.WARNING)  # quiet orbax's INFO lines; --verbosity=0 shows them
     app.run(main)

@@ -20,8 +20,11 @@ TINY_OVERRIDES = {
 def make_tiny_config(**overrides):
     config = default.get_config()
     for key, value in {**TINY_OVERRIDES, **overrides}.items():
-        section, field = key.split(".")
-        config[section][field] = value
+        *sections, field = key.split(".")
+        node = config
+        for section in sections:
+            node = node[section]
+        node[field] = value
     return config
 
 

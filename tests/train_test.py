@@ -39,7 +39,7 @@ def test_train_writes_checkpoints_scores_logs_and_prints_bleu(trained_workdir):
     scores = json.loads((workdir / "scores.json").read_text())
     assert scores["step"] == 6 and 0.0 <= scores["bleu"]["test"]["bleu"] <= 100.0
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if r["split"] == "train"] == [2, 4, 6]
+    assert [r["step"] for r in records if r["split"] == "train"] == [2, 3, 4, 6]  # log and checkpoint steps
     assert os.listdir(workdir / "tensorboard")
     assert json.loads((workdir / "config.json").read_text())["model"]["emb_dim"] == 32
     assert len((workdir / "translations_test_step6.txt").read_text().splitlines()) == 64
@@ -55,9 +55,15 @@ def test_eval_restores_the_checkpoint_and_scores_a_split_and_a_file(trained_work
     scores = json.loads((workdir / "eval" / "scores.step3.json").read_text())
     assert scores[0]["step"] == 3 and scores[0]["sentences"] == 64 and "signature" in scores[0]
     result = run_script("eval.py", f"--workdir={workdir}", f"--input={tmp_path / 'in.txt'}",
-                        f"--output={tmp_path / 'out.txt'}")
+                        f"--reference={tmp_path / 'ref.txt'}", f"--output={tmp_path / 'out.txt'}")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert len((tmp_path / "out.txt").read_text().splitlines()) == 3  # line-aligned, the empty line kept
+    lines = (tmp_path / "out.txt").read_text().split("\n")
+    assert len(lines) == 4 and lines[1] == "" and lines[3] == ""  # line-aligned: the empty line stays empty
+    (tmp_path / "ref.txt").write_text("only one line\n")
+    result = run_script("eval.py", f"--workdir={workdir}", f"--input={tmp_path / 'in.txt'}",
+                        f"--reference={tmp_path / 'ref.txt'}")
+    assert result.returncode != 0
+    assert "3 lines in --input" in result.stderr and "1 lines in --reference" in result.stderr
 
 
 def test_an_unknown_config_key_fails_at_once_naming_it(tmp_path):
@@ -82,12 +88,26 @@ def test_a_stopped_and_resumed_run_ends_with_the_same_parameters(tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
-def test_a_checkpoint_of_another_model_shape_is_refused_and_left_untouched(trained_workdir):
+def test_resuming_with_another_config_is_refused_and_the_workdir_left_untouched(trained_workdir):
     workdir, _ = trained_workdir
     before = tree_digest(workdir)
-    with pytest.raises(CheckpointMismatchError, match="has shape"):
-        trainer.Run(make_tiny_config(**{"model.mlp_dim": 48}), str(workdir))
+    with pytest.raises(ValueError, match=r"model.mlp_dim: 64 -> 48.*seed: 0 -> 1"):
+        trainer.Run(make_tiny_config(**{"model.mlp_dim": 48, "seed": 1}), str(workdir))
     assert tree_digest(workdir) == before
+
+
+def test_a_checkpoint_of_another_model_shape_is_refused_and_left_untouched(trained_workdir, tmp_path):
+    """A workdir whose config.json was lost or replaced still cannot load a mismatched checkpoint."""
+    workdir, _ = trained_workdir
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(workdir), str(copy)], check=True)
+    config = make_tiny_config(**{"model.mlp_dim": 48})
+    (copy / "config.json").write_text(config.to_json())
+    before = tree_digest(copy)
+    expected = r"params/.*has shape \(64,\) but the model built from this config expects \(48,\)"
+    with pytest.raises(CheckpointMismatchError, match=expected):
+        trainer.Run(config, str(copy))
+    assert tree_digest(copy) == before
 
 
 @pytest.mark.parametrize("overrides, error, message", [
@@ -95,6 +115,10 @@ def test_a_checkpoint_of_another_model_shape_is_refused_and_left_untouched(train
     ({"data.source": "tfds", "data.tfds_name": "no_such_dataset/xx"}, DataError, "no_such_dataset"),
     ({"data.source": "text", "data.text_dir": "/nonexistent/corpus"}, DataError, "/nonexistent/corpus"),
     ({"model.num_heads": 3}, ValueError, "num_heads=3 must divide emb_dim=32"),
+    ({"model.positional_encoding": "learned", "model.max_length": 16}, ValueError, "model.max_length=16"),
+    ({"decode.batch_size": 0}, ValueError, "decode.batch_size=0"),
+    ({"data.builtin_valid_size": 0}, DataError, "the valid split has no sentence pairs"),
+    ({"seed": -1}, ValueError, "config.seed=-1"),
 ])
 def test_bad_input_fails_before_training_and_writes_nothing(tmp_path, overrides, error, message):
     workdir = tmp_path / "w"

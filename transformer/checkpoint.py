@@ -52,11 +52,13 @@ def check_compatible(saved: PyTree, expected: PyTree, directory: str) -> None:
 class Checkpointer:
     """A thin owner of one ocp.CheckpointManager."""
 
-    def __init__(self, directory: str, *, save_every_steps: int, keep: int, use_async: bool = True):
+    def __init__(self, directory: str, *, save_every_steps: int, keep: int, use_async: bool = True,
+                 read_only: bool = False):
         self.directory = os.path.abspath(directory)
         self.save_every_steps = save_every_steps
         # The interval is ours to apply (orbax's policy would also save the very first step of a run).
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=use_async, create=True)
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=use_async,
+                                               create=not read_only, read_only=read_only)
         # Naming the handler lets a fresh manager read an existing checkpoint's metadata (for the shape check).
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_handlers=ocp.StandardCheckpointHandler())

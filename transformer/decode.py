@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from transformer import data
+from transformer.metrics import log
 from transformer.tokenizer import EOS_ID, PAD_ID, Tokenizer
 
 PyTree = Any
@@ -46,15 +47,26 @@ def greedy_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, 
 
 
 def translate(search: Callable[[PyTree, jax.Array], jax.Array], params: PyTree, tokenizer: Tokenizer,
-              sentences: list[str], batch_size: int) -> list[str]:
-    """Translate sentences in length-sorted batches with a jitted `search(params, inputs)`; keeps input order."""
+              sentences: list[str], batch_size: int, max_input_length: int | None = None) -> list[str]:
+    """Translate sentences in length-sorted batches with a jitted `search(params, inputs)`; keeps input order.
+
+    An empty sentence gets an empty translation. With `max_input_length` (a model with learned positions),
+    longer inputs are truncated to it, keeping their EOS, with a warning.
+    """
     if not sentences:
         return []
     inputs = tokenizer.encode(sentences)
+    if max_input_length is not None:
+        too_long = [i for i, ids in enumerate(inputs) if len(ids) > max_input_length]
+        if too_long:
+            log.warning("truncating %d input(s) longer than the model's %d positions (first: line %d)",
+                        len(too_long), max_input_length, too_long[0] + 1)
+            for i in too_long:
+                inputs[i] = np.append(inputs[i][:max_input_length - 1], EOS_ID).astype(np.int32)
     translations: list[str] = [""] * len(sentences)
     for indices, batch in data.decode_batches(inputs, batch_size):
         outputs = np.asarray(search(params, batch))
         for index, ids in zip(indices, outputs):
-            if index >= 0:
+            if index >= 0 and sentences[index].strip():
                 translations[index] = tokenizer.decode(ids)
     return translations

@@ -72,6 +72,11 @@ class ModelConfig:
         return self.emb_dim // self.num_heads
 
     @property
+    def position_limit(self) -> int | None:
+        """Longest input the positions can represent: the learned table's size; sinusoids have no limit."""
+        return self.max_length if self.positional_encoding == "learned" else None
+
+    @property
     def compute_dtype(self) -> Any:
         return DTYPES[self.dtype]
 
@@ -134,7 +139,9 @@ class Embedder(nnx.Module):
         """tokens, positions: [batch, length] int -> [batch, length, embed] in the compute dtype."""
         x = self.embedding(tokens) * math.sqrt(self.config.emb_dim)
         if self.config.positional_encoding == "learned":
-            x = x + self.position_embedding(positions)
+            # Clamped: jnp.take would return NaN past the table, and padding positions of a long decode batch
+            # can pass it. Real tokens never do: Settings and decode.translate keep inputs within max_length.
+            x = x + self.position_embedding(jnp.minimum(positions, self.config.max_length - 1))
         else:
             x = x + sinusoidal_positions(positions, self.config.emb_dim)
         x = self.dropout(x, deterministic=deterministic, rngs=rngs)

@@ -57,6 +57,12 @@ class DecodeConfig:
     max_extra_length: int = 50
     bleu_splits: str = "valid,test"
 
+    def __post_init__(self):
+        if self.batch_size <= 0:
+            raise ValueError(f"decode.batch_size={self.batch_size} must be positive")
+        if self.max_extra_length < 0:
+            raise ValueError(f"decode.max_extra_length={self.max_extra_length} must be >= 0")
+
     @property
     def splits(self) -> list[str]:
         splits = [s.strip() for s in self.bleu_splits.split(",") if s.strip()]
@@ -98,6 +104,11 @@ class Settings:
                        optimizer=build(OptimizerConfig, "optimizer"), train=build(TrainConfig, "train"),
                        decode=build(DecodeConfig, "decode"))
         settings.decode.splits  # validates the split names now, before training
+        if settings.seed < 0:
+            raise ValueError(f"config.seed={settings.seed} must be >= 0")
+        if model.get("positional_encoding") == "learned" and model.get("max_length", 0) < settings.data.max_length:
+            raise ValueError(f"model.max_length={model.get('max_length')} (the learned position table) is shorter "
+                             f"than data.max_length={settings.data.max_length}")
         return settings
 
     def model_config(self, vocab_size: int) -> ModelConfig:
@@ -147,6 +158,9 @@ class Corpus:
 def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
     """Read every split (all input errors surface here, before training), then the tokenizer."""
     pairs = {split: data.read_split(settings.data, split) for split in splits}
+    for split in splits:
+        if not pairs[split]:
+            raise data.DataError(f"the {split} split has no sentence pairs")
     tokenizer = data.load_or_train_tokenizer(settings.data, pairs["train"], workdir)
     examples = {}
     for split in ("train", "valid"):
@@ -154,7 +168,10 @@ def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
             examples[split], dropped = data.filter_by_length(data.tokenize(tokenizer, pairs[split]),
                                                              settings.data.max_length)
             log.info("%s: %d pairs, %d dropped for length > %d tokens", split, len(examples[split]), dropped,
-                         settings.data.max_length)
+                     settings.data.max_length)
+            if not examples[split]:
+                raise data.DataError(f"every {split} pair is longer than data.max_length="
+                                     f"{settings.data.max_length} tokens")
     return Corpus(tokenizer, pairs, examples)
 
 
@@ -183,12 +200,14 @@ class Run:
         if os.path.exists(workdir) and not os.path.isdir(workdir):
             raise NotADirectoryError(f"--workdir={workdir} exists and is not a directory")
         os.makedirs(workdir, exist_ok=True)
+        checkpoint_dir = os.path.join(workdir, "checkpoints")
+        if os.path.isdir(checkpoint_dir) and any(name.isdigit() for name in os.listdir(checkpoint_dir)):
+            check_resume_config(load_workdir_config(workdir), config)
         self.corpus = load_corpus(settings, workdir, splits)
         self.model_config = settings.model_config(self.corpus.tokenizer.vocab_size)
         self.optimizer, self.schedule = make_optimizer(settings.optimizer, self.model_config.emb_dim)
         self.graphdef = model_graphdef(self.model_config)
-        self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
-                                         save_every_steps=settings.train.checkpoint_every_steps,
+        self.checkpointer = Checkpointer(checkpoint_dir, save_every_steps=settings.train.checkpoint_every_steps,
                                          keep=settings.train.keep_checkpoints,
                                          use_async=settings.train.async_checkpointing)
         self.state = self._restore_or_init()
@@ -236,7 +255,7 @@ class Run:
             start = time.perf_counter()
             sources, references = zip(*self.corpus.pairs[split])
             hypotheses = decode.translate(search, self.state.params, self.corpus.tokenizer, list(sources),
-                                          self.settings.decode.batch_size)
+                                          self.settings.decode.batch_size, self.model_config.position_limit)
             scores[split] = metrics.bleu(hypotheses, list(references), target_lang=self.settings.data.target_lang)
             scores[split]["decode_seconds"] = time.perf_counter() - start
             if self.is_writer:
@@ -264,7 +283,9 @@ class Run:
         for step in range(start_step + 1, train_config.num_train_steps + 1):
             self.state, step_metrics = train(self.state, next(batches))
             pending.append(step_metrics)
-            if step % train_config.log_every_steps == 0 or step == train_config.num_train_steps:
+            # Also at checkpoint steps: a non-finite state must stop the run before it is saved.
+            if step % train_config.log_every_steps == 0 or step % train_config.checkpoint_every_steps == 0 \
+                    or step == train_config.num_train_steps:
                 summary = summarize(jax.device_get(pending))  # the loop's only host sync
                 now = time.perf_counter()
                 train_seconds += now - last_time
@@ -323,6 +344,33 @@ class Run:
 # Restore for evaluation
 
 
+# Settings a resumed run may change; any other difference from the workdir's config.json is refused.
+RESUMABLE_CHANGES = ("train.num_train_steps", "train.log_every_steps", "train.eval_every_steps",
+                     "train.bleu_every_steps", "train.checkpoint_every_steps", "train.keep_checkpoints",
+                     "train.async_checkpointing", "decode.")
+
+
+def check_resume_config(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict) -> None:
+    """A resumed run must be the same run: refuse changes to the model, data, optimizer or seed."""
+    def flat(tree, prefix=""):
+        items = {}
+        for key, value in tree.items():
+            if isinstance(value, (dict, ml_collections.ConfigDict)):
+                items.update(flat(value, f"{prefix}{key}."))
+            else:
+                items[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+        return items
+
+    old, new = flat(saved), flat(config)
+    changed = sorted(key for key in set(old) | set(new)
+                     if old.get(key) != new.get(key) and not key.startswith(RESUMABLE_CHANGES))
+    if changed:
+        details = ", ".join(f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in changed)
+        raise ValueError(f"this workdir holds checkpoints of a run with another config ({details}). Resume with "
+                         "the same settings (see config.json there; only train.num_train_steps, the log/eval/"
+                         "checkpoint intervals and decode.* may change), or use a new --workdir.")
+
+
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
     path = os.path.join(workdir, CONFIG_FILE)
     if not os.path.exists(path):
@@ -354,7 +402,8 @@ def restore(workdir: str, step: int | None = None) -> Restored:
     tokenizer = Tokenizer(vocab_path)
     model_config = settings.model_config(tokenizer.vocab_size)
     optimizer, _ = make_optimizer(settings.optimizer, model_config.emb_dim)
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), save_every_steps=1, keep=1, use_async=False)
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), save_every_steps=1, keep=1, use_async=False,
+                                read_only=True)
     try:
         step = checkpointer.latest_step() if step is None else step
         if step is None:
