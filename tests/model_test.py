@@ -125,3 +125,8 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
 def test_bad_model_configs_fail_naming_the_field(bad, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig(**{**TINY, **bad})
+
+
+def test_untied_output_projection_gives_float32_logits_under_bfloat16():
+    model = Transformer(ModelConfig(**TINY, dtype="bfloat16", tie_output_embedding=False), rngs=nnx.Rngs(0))
+    assert apply(model, INPUTS, DECODER_INPUTS).dtype == jnp.float32

@@ -294,7 +294,8 @@ class Transformer(nnx.Module):
         self.source_embedder = self.target_embedder if config.share_embeddings else Embedder(config, rngs=rngs)
         if not config.tie_output_embedding:
             self.output_projection = nnx.Linear(config.emb_dim, config.vocab_size, use_bias=False,
-                                                dtype=config.compute_dtype, rngs=rngs)
+                                                dtype=config.compute_dtype, preferred_element_type=jnp.float32,
+                                                rngs=rngs)
         self.encoder_layers = nnx.List([EncoderLayer(config, rngs=rngs) for _ in range(config.num_encoder_layers)])
         self.decoder_layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_decoder_layers)])
         if config.layer_norm == "pre":  # pre-LN leaves the residual stream unnormalised: close each stack
@@ -347,7 +348,7 @@ class Transformer(nnx.Module):
             x = self.decoder_norm(x)
         if self.config.tie_output_embedding:
             return self.target_embedder.logits(x)
-        return self.output_projection(x).astype(jnp.float32)
+        return self.output_projection(x)  # accumulated in float32 (preferred_element_type)
 
     def init_cache(self, encoded: Array, max_decode_length: int) -> Cache:
         """Per decoder layer: an empty self-attention key/value cache [batch, max_decode_length, heads, head_dim]
