@@ -1,0 +1,331 @@
+"""Sweeps: definition helpers and names, validation before launch, the base.py grid's invalid points, SLURM
+emit, device slots, collect, and a real 2-point sweep through scripts/sweep.py where one point fails."""
+
+import csv
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from tiny import TINY_OVERRIDES
+from transformer import sweep
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT = os.path.join(ROOT, "configs", "default.py")
+BASE = os.path.join(ROOT, "configs", "base.py")
+
+
+def run_sweep_script(*args, env=None):
+    command = [sys.executable, os.path.join(ROOT, "scripts", "sweep.py"), *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env={**os.environ, **(env or {})})
+
+
+# ----------------------------------------------------------------------------------------------------
+# Definition
+
+
+def test_product_zip_and_shared_overrides():
+    grid = sweep.product([{"seed": 1}], sweep.axis("a.x", [1, 2]), sweep.zip(sweep.axis("b.y", [3, 4]),
+                                                                             sweep.axis("b.z", ["p", "q"])))
+    assert grid == [{"seed": 1, "a.x": 1, "b.y": 3, "b.z": "p"}, {"seed": 1, "a.x": 1, "b.y": 4, "b.z": "q"},
+                    {"seed": 1, "a.x": 2, "b.y": 3, "b.z": "p"}, {"seed": 1, "a.x": 2, "b.y": 4, "b.z": "q"}]
+    with pytest.raises(sweep.SweepError, match="one length"):
+        sweep.zip(sweep.axis("a", [1, 2]), sweep.axis("b", [1]))
+    with pytest.raises(sweep.SweepError, match="'a' is set twice"):
+        sweep.product(sweep.axis("a", [1]), sweep.axis("a", [2]))
+    with pytest.raises(sweep.SweepError, match="no values"):
+        sweep.axis("a", [])
+
+
+def test_run_names_come_from_the_swept_keys():
+    points = sweep.product([{"train.num_train_steps": 400}], sweep.axis("optimizer.warmup_steps", [100, 4000]),
+                           sweep.axis("model.dropout_rate", [0.0, 1e-9]))
+    assert sweep.run_names(points) == ["warmup_steps=100,dropout_rate=0", "warmup_steps=100,dropout_rate=1e-09",
+                                       "warmup_steps=4000,dropout_rate=0", "warmup_steps=4000,dropout_rate=1e-09"]
+    # A leaf shared by two swept keys keeps its full key; characters unsafe in a path become '_'.
+    points = sweep.zip(sweep.axis("data.max_length", [32, 64]), sweep.axis("model.max_length", [32, 64]),
+                       sweep.axis("data.text_dir", ["/a b", "/c"]))
+    assert sweep.run_names(points) == ["data.max_length=32,model.max_length=32,text_dir=_a_b",
+                                       "data.max_length=64,model.max_length=64,text_dir=_c"]
+    assert sweep.run_names([{"model.emb_dim": 64}]) == ["emb_dim=64"] and sweep.run_names([{}]) == ["base"]
+    assert sweep.name_value(0.1 + 0.2) == "0.30000000000000004"  # never rounded into another point's name
+    with pytest.raises(sweep.SweepError, match="points 0 and 1 have the same name"):
+        sweep.run_names([{"seed": 1}, {"seed": 1}, {"seed": 2}])
+
+
+def test_cli_values_parse_back_to_the_same_value():
+    assert [sweep.cli_value(v) for v in (0.1, 1e-9, 4000, True, "pre")] == ["0.1", "1e-09", "4000", "True", "pre"]
+    assert float(sweep.cli_value(0.1 + 0.2)) == 0.1 + 0.2
+
+
+# ----------------------------------------------------------------------------------------------------
+# Validation
+
+
+def test_unknown_keys_and_wrong_types_fail_the_whole_sweep_naming_each_run_and_key():
+    points = [{"model.dropout_rate": 0.1}, {"model.dropuot_rate": 0.2}, {"train.num_train_steps": 1.5},
+              {"train.label_smoothing": "0.1"}, {"train.async_checkpointing": 1}, {"model.emb_dim": True},
+              {"nosection.x": 1}, {"model": 3}]
+    with pytest.raises(sweep.SweepError) as error:
+        sweep.make_points(DEFAULT, points)
+    message = str(error.value)
+    assert message.startswith("7 bad override(s); nothing was launched")
+    for expected in ["run 'dropuot_rate=0.2': unknown key 'model.dropuot_rate'",
+                     "run 'num_train_steps=1.5': train.num_train_steps=1.5 has type float; the config's "
+                     "train.num_train_steps has type int",
+                     "run 'label_smoothing=0.1': train.label_smoothing='0.1' has type str",
+                     "run 'async_checkpointing=1': train.async_checkpointing=1 has type int",
+                     "run 'emb_dim=True': model.emb_dim=True has type bool",
+                     "run 'x=1': unknown key 'nosection.x' (no section 'nosection')",
+                     "run 'model=3': 'model' is a section"]:
+        assert expected in message
+    assert "dropout_rate=0.1'" not in message  # the valid point is not blamed
+    # An int is fine for a float field, and the resolved config carries the values.
+    (point,) = sweep.make_points(DEFAULT, [{"train.label_smoothing": 0, "model.layer_norm": "pre"}])
+    assert point.config.train.label_smoothing == 0.0 and point.config.model.layer_norm == "pre" and not point.problem
+
+
+def test_base_grid_has_exactly_four_invalid_points():
+    points = sweep.make_points(BASE, sweep.load_sweep(BASE))
+    assert len(points) == 18
+    invalid = {p.name: p.problem for p in points if p.problem}
+    assert invalid == {f"num_heads=12,emb_dim={d},mlp_dim={4 * d},dropout_rate={p}":
+                       f"model config: num_heads=12 must divide emb_dim={d}"
+                       for d in (512, 1024) for p in (0.1, 0.2)}
+    with pytest.raises(sweep.SweepError, match=r"4 of 18 points are invalid; nothing was launched") as error:
+        sweep.refuse_invalid(points, skip_invalid=False)
+    assert all(name in str(error.value) for name in invalid)
+    valid = sweep.refuse_invalid(points, skip_invalid=True)
+    assert len(valid) == 14 and {(p.config.model.num_heads, p.config.model.emb_dim) for p in valid} == {
+        (8, 512), (8, 768), (8, 1024), (12, 768), (16, 512), (16, 768), (16, 1024)}
+
+
+def test_the_example_sweep_is_eight_valid_points_with_the_shared_settings():
+    points = sweep.make_points(DEFAULT, sweep.load_sweep(DEFAULT))
+    assert len(points) == 8 and not any(p.problem for p in points)
+    assert {p.num_train_steps for p in points} == {400}
+    assert points[0].name == "warmup_steps=100,dropout_rate=0,label_smoothing=0"
+
+
+def test_base_grid_is_refused_without_skip_invalid_and_emitted_for_slurm_with_it(tmp_path):
+    result = run_sweep_script(f"--config={BASE}", f"--sweep_dir={tmp_path / 'grid'}", "--parallel=4")
+    assert result.returncode == 2
+    assert "4 of 18 points are invalid; nothing was launched" in result.stderr
+    assert "num_heads=12,emb_dim=1024,mlp_dim=4096,dropout_rate=0.2: model config" in result.stderr
+    assert not (tmp_path / "grid").exists()
+
+    result = run_sweep_script(f"--config={BASE}", f"--sweep_dir={tmp_path / 'grid'}", "--skip_invalid",
+                              "--emit=slurm", "--parallel=4", "--slurm_option=--gres=gpu:8",
+                              "--slurm_setup=source /venv/bin/activate")
+    assert result.returncode == 0, result.stderr
+    assert "skipping invalid point num_heads=12,emb_dim=512,mlp_dim=2048,dropout_rate=0.1" in result.stdout
+    slurm = tmp_path / "grid" / "slurm"
+    scripts = (slurm / "runs.txt").read_text().splitlines()
+    assert len(scripts) == 14 and all(os.access(path, os.X_OK) for path in scripts)
+    array = (slurm / "array.sbatch").read_text()
+    assert "#SBATCH --array=0-13%4" in array and "#SBATCH --gres=gpu:8" in array
+    script = (slurm / "num_heads=16,emb_dim=768,mlp_dim=3072,dropout_rate=0.2.sh").read_text()
+    assert "--only=num_heads=16,emb_dim=768,mlp_dim=3072,dropout_rate=0.2" in script and "--skip_invalid" in script
+    assert "source /venv/bin/activate" in script and "--config.model.emb_dim=768" in script
+    for path in [*scripts, slurm / "array.sbatch"]:
+        assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    # Nothing ran: no run has a status, a log or a workdir.
+    assert sorted(os.listdir(tmp_path / "grid")) == ["slurm", "sweep.json"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Devices, errors, statuses
+
+
+def test_device_slots_split_gpus_and_pin_cpu_cores():
+    assert [s.env for s in sweep.device_slots(1, gpus=["0", "1"])] == [{}]
+    slots = sweep.device_slots(2, gpus=["0", "1", "2", "3", "4"])
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in slots] == ["0,1,2", "3,4"] and slots[0].cpus is None
+    slots = sweep.device_slots(3, gpus=["0", "1"])
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in slots] == ["0", "1", "0"]
+    assert all(s.env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" for s in slots)
+    slots = sweep.device_slots(2, gpus=[], cpus=[0, 1])
+    assert [s.cpus for s in slots] == [[0], [1]] and slots[0].env["OMP_NUM_THREADS"] == "1"
+    assert "--xla_force_host_platform_device_count=1" in slots[0].env["XLA_FLAGS"]
+    assert "--xla_cpu_multi_thread_eigen=false" in slots[0].env["XLA_FLAGS"]
+    slots = sweep.device_slots(2, gpus=[], cpus=list(range(8)))
+    assert [s.cpus for s in slots] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert "multi_thread_eigen" not in slots[0].env["XLA_FLAGS"]
+
+
+def test_error_line_is_the_exception_of_the_traceback():
+    log = ("12:00:01 step 2: loss nan\nTraceback (most recent call last):\n  File \"train.py\", line 3\n"
+           "    raise FloatingPointError(...)\nFloatingPointError: non-finite training loss nan at step 2\n"
+           "  and a second line of the message\n")
+    assert sweep.error_line(log) == "FloatingPointError: non-finite training loss nan at step 2"
+    assert sweep.error_line("jaxlib._jax.XlaRuntimeError: RESOURCE_EXHAUSTED: out of memory\n").startswith(
+        "jaxlib._jax.XlaRuntimeError: RESOURCE_EXHAUSTED")
+    assert sweep.error_line("no exception here\nKilled\n") == "Killed"
+    earlier = f"{sweep.ATTEMPT} 1\nValueError: an earlier attempt\n{sweep.ATTEMPT} 2\nstep 3: loss 2.0\nKilled\n"
+    assert sweep.error_line(earlier) == "Killed"
+
+
+def fake_run(sweep_dir, name, status=None, scores_step=None, metrics=()):
+    workdir = sweep_dir / name
+    workdir.mkdir(parents=True)
+    if status is not None:
+        (workdir / sweep.STATUS).write_text(json.dumps(status))
+    if scores_step is not None:
+        (workdir / "scores.json").write_text(json.dumps({
+            "step": scores_step, "valid": {"loss": 1.5, "perplexity": 4.0}, "bleu": {"valid": {"bleu": 40.0}, "test": {"bleu": 41.0}}}))
+    (workdir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics) + '{"half a li')
+
+
+def test_collect_reports_every_status_and_writes_csv_markdown_and_plot(tmp_path):
+    runs = ["a=1", "a=2", "a=3", "a=4", "a=5", "a=6"]
+    (tmp_path / sweep.MANIFEST).write_text(json.dumps({"axes": ["model.a"], "runs": [
+        {"name": name, "overrides": {"model.a": i + 1}, "num_train_steps": 10,
+         "invalid": "model config: bad" if name == "a=6" else None} for i, name in enumerate(runs)]}))
+    train = [{"step": 5, "split": "train", "loss": 3.0, "target_tokens": 1000, "tokens_per_second": 100.0},
+             {"step": 10, "split": "train", "loss": 2.0, "target_tokens": 1000, "tokens_per_second": 400.0},
+             {"step": 5, "split": "valid_bleu", "bleu": 45.0}, {"step": 10, "split": "valid_bleu", "bleu": 40.0},
+             {"step": 5, "split": "valid", "loss": 2.5}]
+    fake_run(tmp_path, "a=1", {"state": "exited", "returncode": 0, "total_wall_seconds": 75.0}, 10, train)
+    fake_run(tmp_path, "a=2", {"state": "exited", "returncode": 1, "error": "FloatingPointError: nan"}, None,
+             train[:1])
+    fake_run(tmp_path, "a=3", {"state": "running", "pid": os.getpid(), "host": sweep.socket.gethostname(),
+                               "started": 1.0}, None, train[:1])
+    fake_run(tmp_path, "a=4", {"state": "running", "pid": 2**22 + 12345, "host": sweep.socket.gethostname()})
+    axes, rows, curves = sweep.collect(str(tmp_path))  # a=5 has no workdir: never launched
+    by_name = {row["name"]: row for row in rows}
+    assert [row["status"] for row in rows] == ["done", "failed", "running", "stopped", "pending", "invalid"]
+    done = by_name["a=1"]
+    assert (done["dev_bleu"], done["best_dev_bleu"], done["test_bleu"], done["train_loss"], done["dev_loss"]) == (
+        40.0, 45.0, 41.0, 2.0, 1.5)
+    assert done["dev_perplexity"] == 4.0 and done["step"] == 10 and done["tokens_per_second"] == pytest.approx(2000 / 12.5)
+    assert by_name["a=3"]["step"] == 5 and by_name["a=3"]["wall_seconds"] > 1e6  # still counting
+    assert curves["a=1"]["dev_bleu"] == [(5, 45.0), (10, 40.0)]
+
+    table = sweep.write_results(str(tmp_path), echo=lambda line: None)
+    assert "| a=1 | 1 | 40.00 | 45.00 | 41.00 | 2.000 | 1.500 | 10 | 160 | 1m15s | done |" in table
+    assert "| failed (exit 1): FloatingPointError: nan |" in table and "| 5/10 |" in table
+    assert "| invalid: model config: bad |" in table
+    assert (tmp_path / "results.md").read_text() == table
+    with open(tmp_path / "results.csv", newline="") as handle:
+        records = list(csv.DictReader(handle))
+    assert [(r["name"], r["model.a"], r["status"]) for r in records[:2]] == [("a=1", "1", "done"),
+                                                                             ("a=2", "2", "failed")]
+    assert records[1]["error"] == "FloatingPointError: nan" and records[1]["exit_code"] == "1"
+
+
+def test_a_run_still_running_on_this_host_is_not_started_twice(tmp_path):
+    (point,) = sweep.make_points(DEFAULT, [{"seed": 1}])
+    (tmp_path / point.name).mkdir()
+    (tmp_path / point.name / sweep.STATUS).write_text(json.dumps(
+        {"state": "running", "pid": os.getpid(), "host": sweep.socket.gethostname()}))
+    lines = []
+    assert sweep.run_points([point], str(tmp_path), DEFAULT, echo=lines.append) == {}
+    assert lines == [f"skip seed=1: already running as pid {os.getpid()} (another sweep of this directory)"]
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [{"name": f"x={x}", "model.x": x, "status": "done", "dev_bleu": 10.0 * x, "dev_loss": 3.0 / x}
+            for x in (1, 2)]
+    curves = {row["name"]: {"train_loss": [(1, 4.0), (2, 3.0)], "dev_loss": [(2, 3.5)], "dev_bleu": [(2, 5.0)]}
+              for row in rows}
+    sweep.plot(str(tmp_path / "results.png"), ["model.x"], rows, curves)
+    assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ----------------------------------------------------------------------------------------------------
+# A real sweep: 2 tiny points, one of which fails
+
+
+@pytest.mark.parametrize("key, good_value, bad_value, error", [
+    # A bad override that only training can find: fails in ~5 s, which keeps this test fast.
+    ("data.builtin_valid_size", 64, 0, "transformer.sources.DataError: the valid split has no sentence pairs"),
+    # A run that diverges: fails after compiling, at its first logged step.
+    pytest.param("optimizer.learning_rate_scale", 0.5, 1e9, "FloatingPointError: non-finite training loss nan",
+                 marks=pytest.mark.slow),
+])
+def test_a_tiny_sweep_isolates_a_failure_skips_finished_runs_and_collects(tmp_path, key, good_value, bad_value,
+                                                                          error):
+    sweep_file = tmp_path / "tiny_sweep.py"
+    shared = {k: v for k, v in TINY_OVERRIDES.items() if k != key}  # a key set twice in a point is refused
+    sweep_file.write_text("from transformer import sweep\n"
+                          f"SHARED = {shared!r}\n"
+                          "def get_sweep():\n"
+                          f"    return sweep.product([SHARED], sweep.axis({key!r}, [{good_value!r}, {bad_value!r}]))\n")
+    sweep_dir = tmp_path / "sweep"
+    args = [f"--sweep={sweep_file}", f"--sweep_dir={sweep_dir}", "--parallel=2"]
+    leaf = key.rsplit(".", 1)[-1]
+    good, bad = f"{leaf}={sweep.name_value(good_value)}", f"{leaf}={sweep.name_value(bad_value)}"
+
+    result = run_sweep_script(*args)
+    assert result.returncode == 1, result.stderr[-3000:]  # a run failed: the sweep says so, after finishing
+    assert f"{bad}: failed (exit 1): {error}" in result.stdout
+    assert f"{good}: done" in result.stdout
+    scores = json.loads((sweep_dir / good / "scores.json").read_text())
+    assert scores["step"] == TINY_OVERRIDES["train.num_train_steps"]
+    section, field = key.split(".")
+    saved = json.loads((sweep_dir / good / "config.json").read_text())
+    assert saved[section][field] == good_value and saved["model"]["emb_dim"] == 32
+    status = json.loads((sweep_dir / bad / sweep.STATUS).read_text())
+    assert status["state"] == "exited" and status["returncode"] == 1 and status["slot"] in ("CPU 0", "CPU 1")
+    assert "Traceback" in (sweep_dir / bad / sweep.LOG).read_text()
+    with open(sweep_dir / "results.csv", newline="") as handle:
+        statuses = {r["name"]: (r["status"], r["error"].split(":")[0]) for r in csv.DictReader(handle)}
+    assert statuses == {good: ("done", ""), bad: ("failed", error.split(":")[0])}
+    assert f"| {good} | {sweep.name_value(good_value)} |" in (sweep_dir / "results.md").read_text()
+    if importlib.util.find_spec("matplotlib"):
+        assert (sweep_dir / "results.png").stat().st_size > 0
+
+    # The same command again: the finished run is skipped, the failed one is retried (and fails again).
+    before = (sweep_dir / good / "scores.json").stat().st_mtime_ns
+    result = run_sweep_script(*args)
+    assert result.returncode == 1
+    assert f"skip {good}: done" in result.stdout and f"start {bad}" in result.stdout
+    assert f"start {good}" not in result.stdout
+    assert (sweep_dir / good / "scores.json").stat().st_mtime_ns == before
+
+    # The SLURM script of a finished point, run by hand, skips it too; --collect alone rewrites the table.
+    result = run_sweep_script(*args, "--emit=slurm")
+    assert result.returncode == 0 and "--array=0-1%2" in (sweep_dir / "slurm" / "array.sbatch").read_text()
+    script = subprocess.run(["bash", str(sweep_dir / "slurm" / f"{good}.sh")], capture_output=True, text=True,
+                            env={**os.environ, "PYTHON": sys.executable}, timeout=300)
+    assert script.returncode == 0 and f"skip {good}: done" in script.stdout, script.stderr[-2000:]
+    (sweep_dir / "results.md").unlink()
+    result = run_sweep_script("--collect", sweep_dir)
+    assert result.returncode == 0 and "1 done, 1 failed" in result.stdout
+    assert f"failed (exit 1): {error}" in (sweep_dir / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_stopped_sweep_resumes_its_run_from_the_checkpoint(tmp_path):
+    """SIGTERM (or Ctrl-C) stops the children and records them as stopped; the same command resumes them."""
+    overrides = {**TINY_OVERRIDES, "train.num_train_steps": 300, "train.checkpoint_every_steps": 20,
+                 "train.log_every_steps": 20, "train.eval_every_steps": 100}
+    sweep_file = tmp_path / "one.py"
+    sweep_file.write_text(f"def get_sweep():\n    return [{overrides!r}]\n")
+    sweep_dir = tmp_path / "sweep"
+    command = [sys.executable, os.path.join(ROOT, "scripts", "sweep.py"), f"--sweep={sweep_file}",
+               f"--sweep_dir={sweep_dir}"]
+    (name,) = sweep.run_names([overrides])
+    checkpoints = sweep_dir / name / "checkpoints"
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (checkpoints.is_dir() and any(p.isdigit() for p in os.listdir(checkpoints))):
+        assert process.poll() is None and time.time() < deadline, process.communicate()
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130 and "interrupted" in stderr
+    assert json.loads((sweep_dir / name / sweep.STATUS).read_text())["state"] == "stopped"
+    assert sweep.collect(str(sweep_dir))[1][0]["status"] == "stopped"
+
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in (sweep_dir / name / sweep.LOG).read_text()
+    assert json.loads((sweep_dir / name / "scores.json").read_text())["step"] == 300
+    assert "| done |" in (sweep_dir / "results.md").read_text()
