@@ -39,3 +39,15 @@ def test_metric_writer_appends_json_lines(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in records] == [(10, 1.5), (20, 1.0)]
     assert (tmp_path / "tensorboard").is_dir()
+
+
+def test_a_resumed_writer_drops_records_after_the_checkpoint(tmp_path):
+    writer = MetricWriter(str(tmp_path))
+    for step in (10, 20, 30):
+        writer.write(step, {"loss": float(step)}, "train")
+    writer.close()
+    writer = MetricWriter(str(tmp_path), resume_step=20)  # the run stopped after 30, resumes from step 20
+    writer.write(30, {"loss": 3.0}, "train")
+    writer.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in records] == [(10, 10.0), (20, 20.0), (30, 3.0)]

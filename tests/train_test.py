@@ -83,6 +83,8 @@ def test_a_stopped_and_resumed_run_ends_with_the_same_parameters(tmp_path):
     run = trainer.Run(make_tiny_config(**{"decode.bleu_splits": ""}), str(tmp_path / "resumed"))
     assert int(run.state.step) == 3
     run.train()
+    records = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "train"] == [2, 3, 4, 6]  # each step once
     straight, resumed = final_params(tmp_path / "straight"), final_params(tmp_path / "resumed")
     for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

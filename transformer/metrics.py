@@ -40,14 +40,23 @@ def bleu(hypotheses: list[str], references: list[str], *, target_lang: str | Non
 class MetricWriter:
     """Writes scalars to TensorBoard (workdir/tensorboard) and appends them as JSON lines (workdir/metrics.jsonl)."""
 
-    def __init__(self, workdir: str, enabled: bool = True):
+    def __init__(self, workdir: str, enabled: bool = True, resume_step: int | None = None):
+        """With resume_step, drop the JSONL records a stopped run wrote after that step (the checkpoint it
+        resumes from), so that each step appears once."""
         self.enabled = enabled
         if not enabled:
             return
         from tensorboardX import SummaryWriter  # imported here: slow, and only the writing process needs it
 
+        path = os.path.join(workdir, "metrics.jsonl")
+        if resume_step is not None and os.path.exists(path):
+            with open(path, encoding="utf-8") as handle:
+                kept = [line for line in handle if line.strip() and json.loads(line)["step"] <= resume_step]
+            with open(path + ".tmp", "w", encoding="utf-8") as handle:
+                handle.writelines(kept)
+            os.replace(path + ".tmp", path)
         self.tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
-        self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+        self.jsonl = open(path, "a", encoding="utf-8")
 
     def write(self, step: int, scalars: dict[str, float], prefix: str) -> None:
         if not self.enabled:

@@ -276,7 +276,7 @@ class Run:
         batches = prefetch_to_device(data.TrainBatches(
             self.corpus.examples["train"], max_length=settings.data.max_length,
             rows_per_batch=settings.data.rows_per_batch, seed=settings.seed).iterate(start_step))
-        writer = metrics.MetricWriter(self.workdir, enabled=self.is_writer)
+        writer = metrics.MetricWriter(self.workdir, enabled=self.is_writer, resume_step=start_step)
         progress = metrics.Progress(train_config.num_train_steps, start_step)
         search = self.search_fn()
         pending, last_time, last_step, train_seconds = [], time.perf_counter(), start_step, 0.0
