@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,11 @@ def greedy_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, 
 
     start = (jnp.int32(0), jnp.zeros((batch,), jnp.int32), cache, finished, outputs)
     return jax.lax.while_loop(not_done, step, start)[-1]
+
+
+def make_greedy_search(graphdef: nnx.GraphDef, max_extra_length: int) -> Callable[[PyTree, jax.Array], jax.Array]:
+    """`greedy_search` bound to one model and jitted: `search(params, inputs) -> output ids`."""
+    return jax.jit(functools.partial(greedy_search, graphdef=graphdef, max_extra_length=max_extra_length))
 
 
 def translate(search: Callable[[PyTree, jax.Array], jax.Array], params: PyTree, tokenizer: Tokenizer,

@@ -239,8 +239,7 @@ class Run:
         return train, evaluate, time.perf_counter() - start
 
     def search_fn(self):
-        return jax.jit(functools.partial(decode.greedy_search, graphdef=self.graphdef,
-                                         max_extra_length=self.settings.decode.max_extra_length))
+        return decode.make_greedy_search(self.graphdef, self.settings.decode.max_extra_length)
 
     def evaluate_loss(self, evaluate) -> dict[str, float]:
         batches = data.eval_batches(self.corpus.examples["valid"], max_length=self.settings.data.max_length,
@@ -391,8 +390,7 @@ class Restored:
     step: int
 
     def search_fn(self):
-        return jax.jit(functools.partial(decode.greedy_search, graphdef=self.graphdef,
-                                         max_extra_length=self.settings.decode.max_extra_length))
+        return decode.make_greedy_search(self.graphdef, self.settings.decode.max_extra_length)
 
 
 def restore(workdir: str, step: int | None = None) -> Restored:
