@@ -1,5 +1,9 @@
 """Orbax checkpoints of the TrainState in `workdir/checkpoints`: periodic async saves, keep-N, resume.
 
+Each checkpoint holds two items: `default`, the TrainState (the name single-item checkpoints of earlier
+versions used, so those stay readable), and `data`, the input pipeline's iterator state, one JSON file
+per process written by grain's Orbax handler, so a resumed run continues the data exactly.
+
 A restore first compares the checkpoint's array shapes with the model being built, so a checkpoint
 from another model shape fails with a message naming the first differing parameter, and is not touched.
 """
@@ -9,6 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -49,6 +54,27 @@ def check_compatible(saved: PyTree, expected: PyTree, directory: str) -> None:
             f"checkpoint in {directory} holds {extra[0]!r}, which the model built from this config does not have.")
 
 
+STATE_ITEM, DATA_ITEM = "default", "data"
+
+
+class IteratorState:
+    """A data iterator's state (JSON bytes), captured when the step is saved, in the form grain's handler
+    writes and reads. Handing grain the live iterator instead would let an asynchronous save record the
+    state of a later step, and the trainer's device prefetch runs the iterator ahead of the saved step."""
+
+    def __init__(self, state: bytes = b""):
+        self.state = state
+
+    def get_state(self) -> bytes:
+        return self.state
+
+    def set_state(self, state: bytes) -> None:
+        self.state = state
+
+    def start_prefetch(self) -> None:  # called by grain's handler after a restore
+        pass
+
+
 class Checkpointer:
     """A thin owner of one ocp.CheckpointManager."""
 
@@ -60,8 +86,8 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=use_async,
                                                create=not read_only, read_only=read_only)
         # Naming the handler lets a fresh manager read an existing checkpoint's metadata (for the shape check).
-        self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                             item_handlers=ocp.StandardCheckpointHandler())
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
+            STATE_ITEM: ocp.StandardCheckpointHandler(), DATA_ITEM: grain.checkpoint.CheckpointHandler()})
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -74,15 +100,27 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None or step not in self.all_steps():
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; found {self.all_steps()}")
-        check_compatible(self.manager.item_metadata(step), abstract_state, self.directory)
-        return self.manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+        check_compatible(self.manager.item_metadata(step)[STATE_ITEM], abstract_state, self.directory)
+        args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract_state)})
+        return self.manager.restore(step, args=args)[STATE_ITEM]
 
-    def save(self, step: int, state: PyTree, *, force: bool = False) -> bool:
+    def restore_data_state(self, step: int) -> bytes | None:
+        """This process's data iterator state saved at `step`; None for a checkpoint written without one."""
+        if not os.path.isdir(os.path.join(self.directory, str(step), DATA_ITEM)):
+            return None
+        args = ocp.args.Composite(**{DATA_ITEM: grain.checkpoint.CheckpointRestore(IteratorState())})
+        return self.manager.restore(step, args=args)[DATA_ITEM].get_state()
+
+    def save(self, step: int, state: PyTree, *, data_state: bytes | None = None, force: bool = False) -> bool:
         """Start an asynchronous save when `step` is a multiple of save_every_steps (or force); returns whether
-        it saves. The state is copied to the host before this returns, so the caller may donate it next."""
+        it saves. The state is copied to the host before this returns, so the caller may donate it next.
+        `data_state`: the data iterator's state after the batch of `step` (see IteratorState)."""
         if not force and step % self.save_every_steps:
             return False
-        return self.manager.save(step, args=ocp.args.StandardSave(state), force=True)
+        items = {STATE_ITEM: ocp.args.StandardSave(state)}
+        if data_state is not None:
+            items[DATA_ITEM] = grain.checkpoint.CheckpointSave(IteratorState(data_state))
+        return self.manager.save(step, args=ocp.args.Composite(**items), force=True)
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import os
-import random
 import tempfile
 from collections.abc import Iterable
 
@@ -54,16 +53,28 @@ class Tokenizer:
         return [self.processor.id_to_piece(int(i)) for i in ids]
 
 
+def sample_sentences(sentences: list[str], *, max_sentences: int, max_characters: int = 0,
+                     seed: int = 0) -> list[str]:
+    """A seeded random sample drawn from the whole of `sentences`: at most max_sentences sentences and, when
+    max_characters > 0, at most that many characters (always at least one sentence). Sampling from the
+    whole split, not its first lines, matters: corpora are ordered by source (Europarl, then news, then
+    web crawl), and a prefix would give a vocabulary of one domain."""
+    order = np.random.default_rng(seed).permutation(len(sentences))[:max_sentences]
+    if max_characters > 0:
+        lengths = np.fromiter((len(sentences[i]) for i in order), np.int64, len(order))
+        order = order[:max(int(np.searchsorted(np.cumsum(lengths), max_characters, side="right")), 1)]
+    return [sentences[i] for i in order]
+
+
 def train_tokenizer(sentences: list[str], model_path: str, *, vocab_size: int, character_coverage: float = 1.0,
-                    max_sentences: int = 1_000_000, seed: int = 0) -> Tokenizer:
-    """Train a unigram sentencepiece model on (a seeded sample of) `sentences` and write `model_path`.
+                    max_sentences: int = 1_000_000, max_characters: int = 0, seed: int = 0) -> Tokenizer:
+    """Train a unigram sentencepiece model on a seeded sample of `sentences` and write `model_path`.
 
     The file is written to a temporary name and renamed, so a failure leaves no partial model behind.
     """
     if not sentences:
         raise VocabularyError("cannot train a vocabulary on an empty corpus")
-    if len(sentences) > max_sentences:
-        sentences = random.Random(seed).sample(sentences, max_sentences)
+    sentences = sample_sentences(sentences, max_sentences=max_sentences, max_characters=max_characters, seed=seed)
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(

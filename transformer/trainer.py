@@ -152,7 +152,9 @@ def count_params(params: dict) -> int:
 class Corpus:
     tokenizer: Tokenizer
     pairs: dict[str, list[tuple[str, str]]]  # split -> raw (source, target) sentences
-    examples: dict[str, data.Examples]  # split -> tokenized, length-filtered for train/valid loss
+    examples: dict[str, data.Examples]  # valid -> tokenized, length-filtered for the eval loss
+    train_cache: data.TokenCache  # the tokenized train split
+    train_kept: np.ndarray  # indices into train_cache of the pairs within max_length
 
 
 def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
@@ -162,8 +164,15 @@ def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
         if not pairs[split]:
             raise data.DataError(f"the {split} split has no sentence pairs")
     tokenizer = data.load_or_train_tokenizer(settings.data, pairs["train"], workdir)
+    cache = data.load_or_build_token_cache(pairs["train"], tokenizer, workdir, "train",
+                                           num_workers=settings.data.num_workers)
+    length_filter = data.LengthFilter.of(cache, settings.data.max_length)
+    log.info("train: %d pairs, %d dropped for length > %d tokens", len(length_filter.kept), length_filter.too_long,
+             settings.data.max_length)
+    if not len(length_filter.kept):
+        raise data.DataError(f"every train pair is longer than data.max_length={settings.data.max_length} tokens")
     examples = {}
-    for split in ("train", "valid"):
+    for split in ("valid",):
         if split in pairs:
             examples[split], dropped = data.filter_by_length(data.tokenize(tokenizer, pairs[split]),
                                                              settings.data.max_length)
@@ -172,14 +181,26 @@ def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
             if not examples[split]:
                 raise data.DataError(f"every {split} pair is longer than data.max_length="
                                      f"{settings.data.max_length} tokens")
-    return Corpus(tokenizer, pairs, examples)
+    return Corpus(tokenizer, pairs, examples, cache, length_filter.kept)
 
 
-def prefetch_to_device(batches: Iterator[dict], size: int = 2) -> Iterator[dict]:
-    """Keep `size` batches in flight to the device while the current step runs."""
+def place_batch(local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """The one place training batches meet the devices: this process's rows -> global arrays."""
+    return data.global_batch(local_batch)
+
+
+def batches_with_states(iterator) -> Iterator[tuple[dict, bytes]]:
+    """(batch, the iterator's state right after it): the state a checkpoint of that batch's step saves."""
+    while True:
+        batch = next(iterator)
+        yield batch, data.iterator_state_json(iterator)
+
+
+def prefetch_to_device(batches: Iterator[tuple[dict, Any]], size: int = 2) -> Iterator[tuple[dict, Any]]:
+    """Keep `size` batches in flight to the device while the current step runs; passes each one's state on."""
     queue: deque = deque()
-    for batch in batches:
-        queue.append(jax.device_put(batch))
+    for batch, state in batches:
+        queue.append((place_batch(batch), state))
         if len(queue) >= size:
             yield queue.popleft()
     yield from queue
@@ -210,6 +231,7 @@ class Run:
         self.checkpointer = Checkpointer(checkpoint_dir, save_every_steps=settings.train.checkpoint_every_steps,
                                          keep=settings.train.keep_checkpoints,
                                          use_async=settings.train.async_checkpointing)
+        self.data_state: bytes | None = None  # the data iterator's state in the restored checkpoint
         self.state = self._restore_or_init()
         self.is_writer = jax.process_index() == 0
         if self.is_writer:
@@ -222,6 +244,7 @@ class Run:
             return create_train_state(self.model_config, self.optimizer, self.settings.seed)
         abstract = abstract_train_state(self.model_config, self.optimizer, self.settings.seed)
         state = self.checkpointer.restore(abstract, latest)  # raises, touching nothing, on a shape mismatch
+        self.data_state = self.checkpointer.restore_data_state(latest)
         log.info("resumed from %s at step %d", self.checkpointer.directory, latest)
         return state
 
@@ -231,8 +254,7 @@ class Run:
         train = jax.jit(functools.partial(train_step, optimizer=self.optimizer, schedule=self.schedule, **step_kw),
                         donate_argnums=0)
         evaluate = jax.jit(functools.partial(eval_step, **step_kw))
-        shapes = abstract_like(data.make_batch(self.corpus.examples["train"], [], self.settings.data.rows_per_batch,
-                                               self.settings.data.max_length))
+        shapes = data.batch_shapes(self.settings.data.rows_per_batch, self.settings.data.max_length)
         start = time.perf_counter()
         train = train.lower(abstract_like(self.state), shapes).compile()
         evaluate = evaluate.lower(abstract_like(self.state.params), shapes).compile()
@@ -272,15 +294,16 @@ class Run:
                      self.model_config.vocab_size, settings.data.rows_per_batch, settings.data.max_length)
         train, evaluate, compile_seconds = self.compile()
         log.info("compiled train and eval steps in %.1fs", compile_seconds)
-        batches = prefetch_to_device(data.TrainBatches(
-            self.corpus.examples["train"], max_length=settings.data.max_length,
-            rows_per_batch=settings.data.rows_per_batch, seed=settings.seed).iterate(start_step))
+        iterator = self.train_iterator(start_step)
+        batches = prefetch_to_device(batches_with_states(iterator))
+        data_state = None
         writer = metrics.MetricWriter(self.workdir, enabled=self.is_writer, resume_step=start_step)
         progress = metrics.Progress(train_config.num_train_steps, start_step)
         search = self.search_fn()
         pending, last_time, last_step, train_seconds = [], time.perf_counter(), start_step, 0.0
         for step in range(start_step + 1, train_config.num_train_steps + 1):
-            self.state, step_metrics = train(self.state, next(batches))
+            batch, data_state = next(batches)
+            self.state, step_metrics = train(self.state, batch)
             pending.append(step_metrics)
             # Also at checkpoint steps: a non-finite state must stop the run before it is saved.
             if step % train_config.log_every_steps == 0 or step % train_config.checkpoint_every_steps == 0 \
@@ -307,11 +330,14 @@ class Run:
                 if train_config.bleu_every_steps and step % train_config.bleu_every_steps == 0:
                     self._report_bleu(search, ["valid"], writer, progress)
                 last_time += time.perf_counter() - paused  # evaluation does not count as training time
-            self.checkpointer.save(step, self.state)
+            self.checkpointer.save(step, self.state, data_state=data_state)
         progress.close()
+        if hasattr(iterator, "close"):
+            iterator.close()  # stops grain's worker processes
         result = {"step": int(self.state.step), "compile_seconds": compile_seconds, "train_seconds": train_seconds}
         if int(self.state.step) not in self.checkpointer.all_steps():
-            self.checkpointer.save(int(self.state.step), self.state, force=True)
+            self.checkpointer.save(int(self.state.step), self.state, data_state=data_state or self.data_state,
+                                   force=True)
         result["valid"] = self._report_loss(evaluate, writer, progress)
         result["bleu"] = self._report_bleu(search, settings.decode.splits, writer, progress)
         self.checkpointer.wait()
@@ -321,6 +347,20 @@ class Run:
             with open(os.path.join(self.workdir, "scores.json"), "w", encoding="utf-8") as handle:
                 json.dump(result, handle, indent=2)
         return result
+
+    def train_iterator(self, start_step: int):
+        """The grain iterator of this process's training batches, positioned after batch `start_step`."""
+        settings = self.settings.data
+        iterator = iter(data.train_dataset(
+            self.corpus.train_cache, self.corpus.train_kept, seed=self.settings.seed, max_length=settings.max_length,
+            rows_per_batch=settings.rows_per_batch, shard=data.Shard.of_process(), num_workers=settings.num_workers))
+        if self.data_state is not None:
+            data.restore_iterator(iterator, self.data_state)
+        elif start_step:  # a checkpoint written before the data state was saved: the stream is deterministic
+            log.info("checkpoint has no data iterator state; skipping %d batches", start_step)
+            for _ in range(start_step):
+                next(iterator)
+        return iterator
 
     def _report_loss(self, evaluate, writer, progress) -> dict[str, float]:
         scores, step = self.evaluate_loss(evaluate), int(self.state.step)
