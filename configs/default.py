@@ -32,9 +32,11 @@ def get_config() -> ml_collections.ConfigDict:
     data.vocab_path = ""  # an existing sentencepiece model; empty: train one on the train split into the workdir
     data.vocab_size = 1000  # size of the joint source+target sentencepiece vocabulary
     data.vocab_character_coverage = 1.0  # sentencepiece character_coverage
-    data.vocab_max_sentences = 1_000_000  # sentences sampled (seeded) from the train split to train the vocabulary
+    data.vocab_max_sentences = 1_000_000  # sentences sampled (seeded) from the whole train split for the vocabulary
+    data.vocab_max_characters = 0  # ... and at most this many characters of them (0: no limit)
     data.max_length = 64  # tokens per packed row; training pairs longer than this on either side are dropped
-    data.tokens_per_batch = 2048  # token budget per step and side: rows = tokens_per_batch // max_length
+    data.tokens_per_batch = 2048  # token budget per step and side (all processes): rows = tokens_per_batch // max_length
+    data.num_workers = 0  # grain worker processes that tokenize the train split and pack batches (0: in-process)
 
     config.model = model = ml_collections.ConfigDict()
     model.emb_dim = 128  # d_model

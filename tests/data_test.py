@@ -33,6 +33,196 @@ def test_packed_batch_has_segments_and_positions():
     assert not batch["inputs"][1].any()  # the unused row is padding
 
 
+def write_cache(directory, lengths):
+    """A cache where every token of pair i is i + 3 (so a batch tells which pairs it holds), lengths
+    [(source, target), ...]."""
+    source_lengths, target_lengths = (np.array([pair[side] for pair in lengths]) for side in (0, 1))
+    return data.TokenCache.write(
+        str(directory), inputs=np.repeat(np.arange(len(lengths)) + 3, source_lengths), inputs_lengths=source_lengths,
+        targets=np.repeat(np.arange(len(lengths)) + 3, target_lengths), targets_lengths=target_lengths)
+
+
+def pairs_in(batch):
+    """The pair ids (token - 3) of each segment of a packed batch, checking each segment is one pair whole."""
+    found = []
+    for side in ("inputs", "targets"):
+        ids = []
+        for row in range(batch[side].shape[0]):
+            for segment in range(1, batch[f"{side}_segmentation"][row].max() + 1):
+                where = batch[f"{side}_segmentation"][row] == segment
+                tokens = batch[side][row][where]
+                assert len(set(tokens)) == 1, tokens  # a segment is one pair...
+                np.testing.assert_array_equal(batch[f"{side}_position"][row][where], np.arange(where.sum()))
+                assert np.ptp(where.nonzero()[0]) == where.sum() - 1  # ...contiguous, numbered from 0
+                ids.append(int(tokens[0]) - 3)
+            assert not batch[side][row][batch[f"{side}_segmentation"][row] == 0].any()  # padding is 0
+        found.append(ids)
+    assert found[0] == found[1]  # source and target segments hold the same pairs in the same order
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return write_cache(tmp_path_factory.mktemp("cache") / "train", RANDOM_LENGTHS)
+
+
+def epoch_pairs(cache, shard, max_length=32, rows=8):
+    pack = data.PackChunk(cache, np.arange(len(cache)), seed=3, shard=shard, rows=rows, max_length=max_length,
+                          chunk_pairs=40)
+    batches = [b for chunk in range(pack.chunks_per_epoch) for b in pack(chunk)]
+    return batches, [p for b in batches for p in pairs_in(b)]
+
+
+def test_an_epoch_holds_every_pair_once_packed_within_the_budget(cache):
+    batches, pairs = epoch_pairs(cache, data.Shard())
+    assert sorted(pairs) == list(range(len(RANDOM_LENGTHS)))  # no pair lost or duplicated
+    assert pairs != sorted(pairs)  # shuffled
+    assert {b[key].shape for b in batches for key in data.MODEL_KEYS} == {(8, 32)}  # the token budget
+
+
+def test_two_processes_read_disjoint_shards_that_cover_the_data(cache):
+    _, first = epoch_pairs(cache, data.Shard(0, 2), rows=4)
+    _, second = epoch_pairs(cache, data.Shard(1, 2), rows=4)
+    assert not set(first) & set(second)
+    assert sorted(first + second) == list(range(len(RANDOM_LENGTHS)))
+
+
+def test_rows_must_split_evenly_over_processes(cache):
+    with pytest.raises(DataError, match="3 processes"):
+        data.train_dataset(cache, np.arange(len(cache)), seed=0, max_length=32, rows_per_batch=8,
+                           shard=data.Shard(0, 3))
+
+
+def test_first_fit_places_every_pair_once_without_overflow():
+    lengths = np.array(RANDOM_LENGTHS)
+    batches = data.first_fit(lengths[:, 0], lengths[:, 1], rows=4, max_length=24)
+    assert sorted(p for batch in batches for row in batch for p in row) == list(range(len(lengths)))
+    for batch in batches:
+        assert len(batch) <= 4
+        for row in batch:
+            assert lengths[row, 0].sum() <= 24 and lengths[row, 1].sum() <= 24
+
+
+def stream(cache, start_state=None, count=12, num_workers=0):
+    iterator = iter(data.train_dataset(cache, np.arange(len(cache)), seed=1, max_length=32, rows_per_batch=8,
+                                       num_workers=num_workers, chunk_batches=2))
+    if start_state is not None:
+        data.restore_iterator(iterator, start_state)
+    batches, states = [], []
+    for _ in range(count):
+        batches.append(next(iterator))
+        states.append(data.iterator_state_json(iterator))
+    if hasattr(iterator, "close"):
+        iterator.close()
+    return batches, states
+
+
+def assert_same_batches(got, expected):
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        for key in data.MODEL_KEYS:
+            np.testing.assert_array_equal(a[key], b[key])
+
+
+def test_a_restored_iterator_continues_exactly_across_chunks_and_epochs(cache):
+    uninterrupted, states = stream(cache, count=40)  # 300 pairs, ~2 batches per chunk: several epochs
+    for stop in (0, 1, 4, 17, 30):
+        resumed, _ = stream(cache, states[stop], count=40 - stop - 1)
+        assert_same_batches(resumed, uninterrupted[stop + 1:])
+    epoch_one = [p for b in uninterrupted for p in pairs_in(b)][len(RANDOM_LENGTHS):2 * len(RANDOM_LENGTHS)]
+    assert epoch_one != [p for b in uninterrupted for p in pairs_in(b)][:len(RANDOM_LENGTHS)]  # reshuffled
+
+
+def test_worker_processes_give_a_restorable_stream(cache):
+    from absl import flags
+    flags.FLAGS.mark_as_parsed()  # grain's workers read absl flags (train.py parses them)
+    uninterrupted, states = stream(cache, count=8, num_workers=1)
+    resumed, _ = stream(cache, states[3], count=4, num_workers=1)
+    assert_same_batches(uninterrupted, stream(cache, count=8)[0])  # one worker: the in-process stream
+    assert_same_batches(resumed, uninterrupted[4:])
+    pairs = [p for b in uninterrupted for p in pairs_in(b)]
+    assert len(pairs) == len(set(pairs)) or len(pairs) > len(RANDOM_LENGTHS)
+
+
+def test_global_batch_on_one_process_is_the_local_batch(cache):
+    batch, _ = stream(cache, count=1)
+    placed = data.global_batch(batch[0])
+    for key in data.MODEL_KEYS:
+        assert placed[key].shape == (8, 32)
+        np.testing.assert_array_equal(np.asarray(placed[key]), batch[0][key])
+
+
+def test_the_length_filter_counts_what_it_drops(cache):
+    kept = data.LengthFilter.of(cache, 10)
+    lengths = np.array(RANDOM_LENGTHS)
+    assert kept.too_long == int(((lengths[:, 0] > 10) | (lengths[:, 1] > 10)).sum()) > 0
+    assert len(kept.kept) + kept.too_long == len(lengths)
+
+
+def test_token_cache_matches_the_tokenizer_with_and_without_workers(tokenizer, tmp_path):
+    from absl import flags
+    flags.FLAGS.mark_as_parsed()
+    pairs = data.read_split(data.DataConfig(builtin_train_size=300), "train")
+    expected = data.tokenize(tokenizer, pairs)
+    for workers in (0, 1):
+        cache = data.TokenCache.build(pairs, tokenizer.path, str(tmp_path / f"w{workers}"), num_workers=workers,
+                                      chunk_size=64)
+        assert len(cache) == len(pairs)
+        for index in (0, 63, 64, 299):
+            np.testing.assert_array_equal(cache[index]["inputs"], expected.inputs[index])
+            np.testing.assert_array_equal(cache[index]["targets"], expected.targets[index])
+    assert not [name for name in os.listdir(tmp_path) if ".tmp" in name]
+
+
+def test_a_packed_row_gives_each_pair_the_outputs_it_has_alone(cache):
+    import jax.numpy as jnp
+    from flax import nnx
+    from transformer.model import ModelConfig, Transformer
+    from transformer.steps import shift_right
+
+    config = ModelConfig(vocab_size=400, emb_dim=32, num_heads=4, num_encoder_layers=1, num_decoder_layers=1,
+                         mlp_dim=64)
+    model = nnx.jit(lambda: Transformer(config, rngs=nnx.Rngs(0)))()  # eager init is op-by-op: slower
+    batch = stream(cache, count=1)[0][0]
+    row = int(batch["targets_segmentation"].max(axis=1).argmax())  # the row with the most pairs
+    packed = nnx.jit(lambda m, b: m(b["inputs"], shift_right(b["targets"], b["targets_segmentation"]),
+                                    inputs_segmentation=b["inputs_segmentation"],
+                                    inputs_position=b["inputs_position"],
+                                    targets_segmentation=b["targets_segmentation"],
+                                    targets_position=b["targets_position"]))(
+        model, {k: jnp.asarray(v[row:row + 1]) for k, v in batch.items()})[0]
+    assert batch["targets_segmentation"][row].max() >= 3
+    alone = nnx.jit(lambda m, x, y: m(x, shift_right(y)))
+    for segment in range(1, batch["targets_segmentation"][row].max() + 1):
+        # Each pair alone, padded to the row's length: one compilation (padding changes nothing, model_test).
+        source, target = (np.where(batch[f"{side}_segmentation"][row] == segment, batch[side][row], 0)
+                          for side in ("inputs", "targets"))
+        where = batch["targets_segmentation"][row] == segment
+        source, target = source[source != 0], target[where]
+        logits = alone(model, jnp.asarray(np.pad(source, (0, 32 - len(source)))[None]),
+                       jnp.asarray(np.pad(target, (0, 32 - len(target)))[None]))[0]
+        np.testing.assert_allclose(packed[where], logits[:len(target)], atol=1e-5, rtol=1e-5)
+
+
+def test_the_vocabulary_sample_is_drawn_from_the_whole_split():
+    from transformer.tokenizer import sample_sentences
+    sentences = [f"sentence {i}" for i in range(1000)]
+    sample = sample_sentences(sentences, max_sentences=100)
+    assert len(sample) == 100 and max(int(s.split()[1]) for s in sample) > 500  # not a prefix
+    assert sample == sample_sentences(sentences, max_sentences=100)  # seeded
+    by_characters = sample_sentences(sentences, max_sentences=100, max_characters=120)
+    assert sum(map(len, by_characters)) <= 120 and by_characters == sample[:len(by_characters)]
+
+
+def test_other_processes_wait_for_process_zero_to_write_the_vocabulary(tokenizer, tmp_path):
+    import threading
+    threading.Timer(0.5, lambda: os.link(tokenizer.path, tmp_path / "vocab.model")).start()
+    loaded = data.load_or_train_tokenizer(data.DataConfig(vocab_size=300), [], str(tmp_path), process_index=1)
+    assert loaded.vocab_size == 300
+    with pytest.raises(TimeoutError, match="process 0"):
+        data.wait_for_file(str(tmp_path / "never"), "vocabulary", timeout_seconds=0.2, poll_seconds=0.05)
+
+
 def test_eval_batches_cover_the_split_with_one_shape():
     examples = examples_of(RANDOM_LENGTHS)
     batches = data.eval_batches(examples, max_length=32, rows_per_batch=16)
@@ -93,6 +283,8 @@ def test_tfds_source_through_mock_data():
     (dict(source="text"), "data.text_dir"),
     (dict(source="tfds"), "data.tfds_name"),
     (dict(max_length=64, tokens_per_batch=32), "tokens_per_batch=32"),
+    (dict(num_workers=-1), "num_workers=-1"),
+    (dict(vocab_max_characters=-1), "vocab_max_characters=-1"),
 ])
 def test_bad_data_configs_fail_naming_the_field(bad, message):
     with pytest.raises(DataError, match=message):

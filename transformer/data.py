@@ -309,8 +309,7 @@ class TokenCache:
     @classmethod
     def build(cls, pairs: list[tuple[str, str]], model_path: str, directory: str, *, num_workers: int = 0,
               chunk_size: int = TOKENIZE_CHUNK) -> "TokenCache":
-        """Tokenize `pairs` (grain, with num_workers processes) and write the cache atomically: into a
-        temporary folder, renamed when complete, so a crash leaves no half cache behind."""
+        """Tokenize `pairs` (grain, with num_workers processes) and write the cache."""
         dataset = grain.MapDataset.source(PairChunks(pairs, chunk_size)).map(TokenizeChunk(model_path))
         dataset = dataset.to_iter_dataset(grain.ReadOptions(num_threads=0))
         if num_workers:
@@ -323,14 +322,21 @@ class TokenCache:
                 parts[key].append(value)
         if hasattr(iterator, "close"):
             iterator.close()
-        dtype = np.uint16 if max((int(p.max()) for p in parts["inputs"] + parts["targets"]), default=0) < 2**16 \
+        return cls.write(directory, **{key: np.concatenate(value) for key, value in parts.items()})
+
+    @classmethod
+    def write(cls, directory: str, *, inputs: np.ndarray, inputs_lengths: np.ndarray, targets: np.ndarray,
+              targets_lengths: np.ndarray) -> "TokenCache":
+        """Write flat token arrays and per-pair lengths as a cache, into a temporary folder renamed when
+        complete (a crash leaves no half cache behind)."""
+        dtype = np.uint16 if max(int(inputs.max(initial=0)), int(targets.max(initial=0))) < 2**16 \
             else np.int32  # halves the cache of a 32k vocabulary
         temporary = f"{directory}.tmp{os.getpid()}"
         os.makedirs(temporary, exist_ok=True)
-        for side, offsets in (("inputs", "input_offsets"), ("targets", "target_offsets")):
-            np.save(os.path.join(temporary, f"{side}.npy"), np.concatenate(parts[side]).astype(dtype))
-            np.save(os.path.join(temporary, f"{offsets}.npy"),
-                    np.concatenate([[0], np.cumsum(np.concatenate(parts[f"{side}_lengths"]))]).astype(np.int64))
+        for side, tokens, lengths, offsets in (("inputs", inputs, inputs_lengths, "input_offsets"),
+                                               ("targets", targets, targets_lengths, "target_offsets")):
+            np.save(os.path.join(temporary, f"{side}.npy"), tokens.astype(dtype))
+            np.save(os.path.join(temporary, f"{offsets}.npy"), np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
         os.replace(temporary, directory)
         return cls(directory)
 
