@@ -229,12 +229,13 @@ def test_tfds_registers_wmt_builders(tfds):
     assert {"wmt14_translate", "wmt19_translate", "wmt_t2t_translate"} <= set(names)
 
 
-@pytest.mark.parametrize("split", ["train", "validation"])
-def test_tfds_mock_wmt14(tfds, split):
+@pytest.mark.parametrize("name, split", [(WMT14, "train"), (WMT14, "validation"), ("wmt17_translate/de-en", "train"),
+                                         ("wmt17_translate/de-en", "test")])
+def test_tfds_mock_wmt(tfds, name, split):
     with tfds.testing.mock_data(num_examples=NUM_MOCK_EXAMPLES):
-        en_de = read_tfds(WMT14, split, source_lang="en", target_lang="de")
-        de_en = read_tfds(WMT14, split, source_lang="de", target_lang="en")
-        raw = tfds.data_source(WMT14, split=split, download=False)
+        en_de = read_tfds(name, split, source_lang="en", target_lang="de")
+        de_en = read_tfds(name, split, source_lang="de", target_lang="en")
+        raw = tfds.data_source(name, split=split, download=False)
         raw_examples = [raw[index] for index in range(len(raw))]
 
     assert len(en_de) == NUM_MOCK_EXAMPLES
