@@ -133,6 +133,7 @@ def test_a_restored_iterator_continues_exactly_across_chunks_and_epochs(cache):
     assert epoch_one != [p for b in uninterrupted for p in pairs_in(b)][:len(RANDOM_LENGTHS)]  # reshuffled
 
 
+@pytest.mark.slow  # ~13 s: starting worker processes (the token cache test below also runs one worker)
 def test_worker_processes_give_a_restorable_stream(cache):
     from absl import flags
     flags.FLAGS.mark_as_parsed()  # grain's workers read absl flags (train.py parses them)
