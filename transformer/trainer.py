@@ -218,6 +218,7 @@ class Run:
         self.config, self.workdir = config, workdir
         self.settings = settings = Settings.from_config(config)
         splits = ["train", "valid"] + [s for s in settings.decode.splits if s != "valid"]
+        data.local_rows(settings.data.rows_per_batch, data.Shard.of_process())  # rows split over processes
         if os.path.exists(workdir) and not os.path.isdir(workdir):
             raise NotADirectoryError(f"--workdir={workdir} exists and is not a directory")
         os.makedirs(workdir, exist_ok=True)
