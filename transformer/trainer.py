@@ -329,6 +329,8 @@ class Run:
         params = count_params(self.state.params)
         log.info("model: %s parameters; vocab %d; %d rows x %d tokens per batch", f"{params:,}",
                      self.model_config.vocab_size, settings.data.rows_per_batch, settings.data.max_length)
+        log.info("mesh %s over %d devices (%s) in %d processes", dict(self.mesh.shape), jax.device_count(),
+                 jax.devices()[0].device_kind, jax.process_count())
         train, evaluate, compile_seconds = self.compile()
         log.info("compiled train and eval steps in %.1fs", compile_seconds)
         batches = prefetch_to_device(data.TrainBatches(
