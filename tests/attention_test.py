@@ -1,5 +1,6 @@
 """model.attention: the reference implementation and jax.nn.dot_product_attention (xla) agree under padding,
-causal masks and packed segments; the whole model agrees too. ('cudnn' needs a GPU: only its error is tested.)"""
+causal masks and packed segments; the whole model agrees too (cudnn needs a GPU: only its error is tested).
+model.remat changes memory, not results."""
 
 import dataclasses
 
@@ -52,3 +53,23 @@ def test_cudnn_on_cpu_and_attention_dropout_outside_the_reference_fail_clearly()
                       deterministic=True, rngs=None)
     with pytest.raises(ValueError, match="no dropout on the attention weights"):
         ModelConfig(vocab_size=40, attention="xla", attention_dropout_rate=0.1)
+
+
+def test_remat_gives_the_same_loss_and_gradients():
+    config = ModelConfig(vocab_size=40, emb_dim=32, num_heads=4, num_encoder_layers=2, num_decoder_layers=2,
+                         mlp_dim=64, dropout_rate=0.1)
+    inputs = jnp.array([[5, 6, 7, 1, 0, 0], [8, 9, 10, 11, 12, 1]])
+    decoder_inputs = jnp.array([[0, 13, 14, 15, 0, 0], [0, 16, 17, 18, 19, 20]])
+    results = []
+    for remat in (False, True):
+        graphdef, params = nnx.split(Transformer(dataclasses.replace(config, remat=remat), rngs=nnx.Rngs(0)))
+
+        def loss(params):
+            model = nnx.merge(graphdef, params)
+            logits = model(inputs, decoder_inputs, deterministic=False, rngs=nnx.Rngs(dropout=1))
+            return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 3])
+        results.append(jax.value_and_grad(loss)(params))
+    (plain_loss, plain_grads), (remat_loss, remat_grads) = results
+    np.testing.assert_allclose(remat_loss, plain_loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(remat_grads), jax.tree.leaves(plain_grads)):
+        np.testing.assert_allclose(a, b, atol=1e-5)

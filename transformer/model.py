@@ -15,7 +15,6 @@ Conventions:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -378,11 +377,10 @@ class Transformer(nnx.Module):
     def _maybe_remat(self, layer: nnx.Module, deterministic: bool):
         """The layer's call, under nnx.remat when config.remat: its activations are recomputed in the backward
         pass instead of stored (per-layer checkpointing, as in flax's wmt example)."""
-        def call(layer, *args, rngs):
+        def call(layer, rngs, *args):  # positional only: nnx.remat resolves no keyword arguments
             return layer(*args, deterministic=deterministic, rngs=rngs)
-        if not self.config.remat:
-            return functools.partial(call, layer)
-        return functools.partial(nnx.remat(call), layer)
+        wrapped = nnx.remat(call) if self.config.remat else call
+        return lambda *args, rngs: wrapped(layer, rngs, *args)
 
     def __call__(self, inputs: Array, decoder_inputs: Array, *, inputs_segmentation: Array | None = None,
                  inputs_position: Array | None = None, targets_segmentation: Array | None = None,
