@@ -5,14 +5,19 @@ Starting again on a workdir with checkpoints resumes the run from the latest one
 
 import os
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from transformer import trainer
+from transformer import sharding, trainer
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.py")
 config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Config file (any field overridable).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, vocabulary, logs and scores.", required=True)
+# Multi-host: all three, or none to detect SLURM / a TPU pod slice / Open MPI from the environment.
+flags.DEFINE_string("coordinator_address", "", "host:port of process 0 for jax.distributed.initialize.")
+flags.DEFINE_integer("num_processes", 0, "Number of processes (hosts) in the job.")
+flags.DEFINE_integer("process_id", -1, "This process's index in [0, num_processes).")
 
 
 def main(argv):
@@ -20,7 +25,11 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; --verbosity=0 shows it
         logging.set_verbosity(logging.WARNING)
+    sharding.initialize_distributed(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
+                                    flags.FLAGS.process_id)
     result = trainer.Run(flags.FLAGS.config, flags.FLAGS.workdir).train()
+    if jax.process_index() != 0:
+        return
     for split, score in result["bleu"].items():
         print(f"{split} BLEU {score['bleu']:.2f}  {score['signature']}")
 

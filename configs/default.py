@@ -55,6 +55,8 @@ def get_config() -> ml_collections.ConfigDict:
     model.share_embeddings = True  # one embedding for source and target (needs the joint vocabulary)
     model.tie_output_embedding = True  # pre-softmax projection = target embedding transposed
     model.dtype = "float32"  # compute dtype of the matmuls: float32 | bfloat16 (parameters stay float32)
+    model.attention = "reference"  # reference (ours, any backend) | xla | cudnn (flash attention, GPU + bfloat16)
+    model.remat = False  # recompute each layer in the backward pass: less activation memory, ~1/3 more compute
 
     config.optimizer = optimizer = ml_collections.ConfigDict()
     optimizer.learning_rate_scale = 0.5  # lr = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
@@ -73,6 +75,16 @@ def get_config() -> ml_collections.ConfigDict:
     train.checkpoint_every_steps = 250  # save a checkpoint every N steps (and always at the end)
     train.keep_checkpoints = 3  # keep the last K checkpoints
     train.async_checkpointing = True  # save in the background while training goes on
+    train.num_microbatches = 1  # gradient accumulation: split each batch into N sequential slices, one update
+    train.dropout_rng = "threefry2x32"  # threefry2x32 (same masks on any mesh) | rbg | unsafe_rbg (cheaper on CPU)
+
+    # Devices: a mesh of (data, fsdp, tensor); one size may be -1 (the remaining devices). Logical axis names
+    # of the parameters map to mesh axes by `rules` (transformer/sharding.py): `name=axis[+axis], ...`.
+    config.mesh = mesh = ml_collections.ConfigDict()
+    mesh.data = -1  # data parallelism (parameters replicated)
+    mesh.fsdp = 1  # fully sharded data parallelism (parameters and optimizer state split along `embed`)
+    mesh.tensor = 1  # tensor parallelism (`mlp`, `heads`, `vocab` split)
+    mesh.rules = "batch=data+fsdp, embed=fsdp, mlp=tensor, heads=tensor, vocab=tensor"
 
     config.decode = decode = ml_collections.ConfigDict()
     decode.batch_size = 256  # sentences per decoding batch

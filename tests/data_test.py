@@ -80,11 +80,18 @@ def test_an_epoch_holds_every_pair_once_packed_within_the_budget(cache):
     assert {b[key].shape for b in batches for key in data.MODEL_KEYS} == {(8, 32)}  # the token budget
 
 
-def test_two_processes_read_disjoint_shards_that_cover_the_data(cache):
-    _, first = epoch_pairs(cache, data.Shard(0, 2), rows=4)
-    _, second = epoch_pairs(cache, data.Shard(1, 2), rows=4)
+def test_two_processes_read_disjoint_shards_that_make_the_one_process_batches(cache):
+    first_batches, first = epoch_pairs(cache, data.Shard(0, 2))
+    second_batches, second = epoch_pairs(cache, data.Shard(1, 2))
     assert not set(first) & set(second)
     assert sorted(first + second) == list(range(len(RANDOM_LENGTHS)))
+    # Stacked, the two processes' rows are exactly the global batches of one process: same training.
+    whole, _ = epoch_pairs(cache, data.Shard())
+    assert len(first_batches) == len(second_batches) == len(whole)
+    for a, b, together in zip(first_batches, second_batches, whole):
+        assert a["targets"].shape == (4, 32)
+        for key in data.MODEL_KEYS:
+            np.testing.assert_array_equal(np.concatenate([a[key], b[key]]), together[key])
 
 
 def test_rows_must_split_evenly_over_processes(cache):

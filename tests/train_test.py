@@ -81,9 +81,9 @@ def recorder(monkeypatch):
     seen = []
     place = trainer.place_batch
 
-    def record(batch):
+    def record(batch, batch_sharding):
         seen.append(tree_digest_of(batch))
-        return place(batch)
+        return place(batch, batch_sharding)
     monkeypatch.setattr(trainer, "place_batch", record)
     return seen
 

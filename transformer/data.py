@@ -440,30 +440,32 @@ def assemble(cache: TokenCache, rows: list[list[int]], num_rows: int, max_length
 
 
 class PackChunk:
-    """grain map: chunk number -> the packed batches of that chunk of this process's shuffled shard.
+    """grain map: chunk number -> this process's rows of the packed batches of that chunk.
 
     Chunk c is chunk c % chunks_per_epoch of epoch c // chunks_per_epoch; epoch e visits the kept pairs in
-    the order of permutation(seed, e), of which this process takes every shard.count-th from shard.index
-    (so the processes' shards are disjoint and together complete, every epoch). A chunk is packed on its own,
+    the order of permutation(seed, e). Every process computes the same packing plan for the whole global
+    batch (first_fit on the cached lengths: cheap) and gathers the tokens of its own block of rows only, so
+    the processes' parts are disjoint and together complete, and the global batches are the same whatever the
+    number of processes (a 2-process run trains exactly like a 1-process run). A chunk is packed on its own,
     so workers build chunks in parallel and the stream has random access by chunk; its last batch may be
     partly padding. Picklable: the cache pickles as its path."""
 
     def __init__(self, cache: TokenCache, kept: np.ndarray, *, seed: int, shard: "Shard", rows: int,
                  max_length: int, chunk_pairs: int):
         self.cache, self.kept, self.seed, self.shard = cache, kept, seed, shard
-        self.rows, self.max_length, self.chunk_pairs = rows, max_length, chunk_pairs
-        self.shard_size = len(range(shard.index, len(kept), shard.count))
-        self.chunks_per_epoch = -(-self.shard_size // chunk_pairs)
+        self.rows, self.max_length, self.chunk_pairs = rows, max_length, chunk_pairs  # rows: global per batch
+        self.local_rows = local_rows(rows, shard)
+        self.chunks_per_epoch = -(-len(kept) // chunk_pairs)
         self._epoch, self._order = None, None
 
     def __getstate__(self):
         return {**self.__dict__, "_epoch": None, "_order": None}
 
     def order(self, epoch: int) -> np.ndarray:
-        """The cache indices of this process's pairs in epoch `epoch`, in visiting order."""
+        """The cache indices of the kept pairs in epoch `epoch`, in visiting order."""
         if self._epoch != epoch:  # one permutation per epoch, not per chunk
             permutation = np.random.default_rng([self.seed, epoch]).permutation(len(self.kept))
-            self._epoch, self._order = epoch, self.kept[permutation[self.shard.index::self.shard.count]]
+            self._epoch, self._order = epoch, self.kept[permutation]
         return self._order
 
     def __call__(self, chunk: int) -> list[Batch]:
@@ -471,7 +473,9 @@ class PackChunk:
         pairs = self.order(epoch)[index * self.chunk_pairs:(index + 1) * self.chunk_pairs]
         batches = first_fit(self.cache.lengths("inputs")[pairs], self.cache.lengths("targets")[pairs],
                             rows=self.rows, max_length=self.max_length)
-        return [assemble(self.cache, [[int(pairs[p]) for p in row] for row in batch], self.rows, self.max_length)
+        first = self.shard.index * self.local_rows  # this process's block of rows of each global batch
+        return [assemble(self.cache, [[int(pairs[p]) for p in row] for row in batch[first:first + self.local_rows]],
+                         self.local_rows, self.max_length)
                 for batch in batches]
 
 
@@ -511,7 +515,7 @@ class Flatten(grain.IterDataset):
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """This process's part of the data: every `count`-th pair of the shuffled stream, from `index`."""
+    """This process's part of the data: block `index` of `count` equal blocks of rows of each global batch."""
 
     index: int = 0
     count: int = 1
@@ -541,12 +545,10 @@ def train_dataset(cache: TokenCache, kept: np.ndarray, *, seed: int, max_length:
     the cached lengths and gathering with numpy costs a few microseconds per pair."""
     if len(kept) == 0:
         raise DataError("no training pairs left after length filtering; raise data.max_length")
-    rows = local_rows(rows_per_batch, shard)
     mean_length = float(np.maximum(cache.lengths("inputs")[kept], cache.lengths("targets")[kept]).mean())
-    chunk_pairs = max(int(chunk_batches * rows * max_length / mean_length), 1)
-    pack = PackChunk(cache, kept, seed=seed, shard=shard, rows=rows, max_length=max_length, chunk_pairs=chunk_pairs)
-    if pack.shard_size == 0:
-        raise DataError(f"process {shard.index} of {shard.count} has no training pairs: only {len(kept)} are kept")
+    chunk_pairs = max(int(chunk_batches * rows_per_batch * max_length / mean_length), 1)
+    pack = PackChunk(cache, kept, seed=seed, shard=shard, rows=rows_per_batch, max_length=max_length,
+                     chunk_pairs=chunk_pairs)
     # num_threads=0: chunks are computed from memory; reader threads would only contend for the GIL.
     dataset = grain.MapDataset.range(2**62).map(pack).to_iter_dataset(grain.ReadOptions(num_threads=0))
     if num_workers:

@@ -7,7 +7,9 @@ Conventions:
   * token id 0 is padding (and the decoder's start symbol, as in tensor2tensor and flax's wmt example);
   * every call takes optional `*_segmentation` / `*_position` arrays so that several sentences can be
     packed into one row: attention never crosses a segment boundary, and segment 0 is padding;
-  * parameters are float32; matmuls run in `config.dtype`; logits come out in float32.
+  * parameters are float32; matmuls run in `config.dtype`; logits come out in float32;
+  * every parameter carries logical axis names (`vocab`, `embed`, `mlp`, `heads`); transformer/sharding.py
+    alone maps them onto mesh axes.
 """
 
 from __future__ import annotations
@@ -26,6 +28,15 @@ Cache = list[dict[str, Array]]  # one dict per decoder layer: key, value, cross_
 POSITIONAL_ENCODINGS = ("sinusoidal", "learned")
 LAYER_NORMS = ("post", "pre")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# reference: our own einsum + softmax below (supports attention dropout); xla / cudnn:
+# jax.nn.dot_product_attention with that implementation (cudnn = flash attention, GPU and bf16/fp16 only).
+ATTENTION_IMPLEMENTATIONS = ("reference", "xla", "cudnn")
+
+
+def partitioned(init, *names: str | None):
+    """An initializer whose parameter carries logical axis names (read by sharding.py, never applied here:
+    eager_sharding=False, so building a model needs no mesh)."""
+    return nnx.with_partitioning(init, names, eager_sharding=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +59,8 @@ class ModelConfig:
     share_embeddings: bool = True  # one embedding table for source and target
     tie_output_embedding: bool = True  # the pre-softmax projection reuses the target embedding
     dtype: str = "float32"  # compute dtype of the matmuls: float32 or bfloat16
+    attention: str = "reference"  # reference | xla | cudnn (see ATTENTION_IMPLEMENTATIONS)
+    remat: bool = False  # recompute each layer's activations in the backward pass (less memory, ~1/3 more compute)
 
     def __post_init__(self):
         checks = [
@@ -58,6 +71,11 @@ class ModelConfig:
              f"positional_encoding={self.positional_encoding!r} is not one of {POSITIONAL_ENCODINGS}"),
             (self.layer_norm in LAYER_NORMS, f"layer_norm={self.layer_norm!r} is not one of {LAYER_NORMS}"),
             (self.dtype in DTYPES, f"dtype={self.dtype!r} is not one of {tuple(DTYPES)}"),
+            (self.attention in ATTENTION_IMPLEMENTATIONS,
+             f"attention={self.attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}"),
+            (self.attention == "reference" or self.attention_dropout_rate == 0.0,
+             f"attention={self.attention!r} has no dropout on the attention weights: set attention_dropout_rate=0 "
+             "or attention='reference'"),
             (self.emb_dim % 2 == 0, f"emb_dim={self.emb_dim} must be even for sinusoidal positions"),
         ]
         for rate_name in ("dropout_rate", "attention_dropout_rate", "relu_dropout_rate"):
@@ -128,11 +146,12 @@ class Embedder(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         # stddev d^-0.5 makes the sqrt(d)-scaled embedding unit-variance, and suits the tied output layer.
-        init = nnx.initializers.normal(stddev=config.emb_dim**-0.5)
+        init = partitioned(nnx.initializers.normal(stddev=config.emb_dim**-0.5), "vocab", "embed")
         self.embedding = nnx.Embed(config.vocab_size, config.emb_dim, embedding_init=init, rngs=rngs)
         if config.positional_encoding == "learned":
             self.position_embedding = nnx.Embed(
-                config.max_length, config.emb_dim, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+                config.max_length, config.emb_dim, embedding_init=partitioned(nnx.initializers.normal(0.02), None,
+                                                                              "embed"), rngs=rngs)
         self.dropout = nnx.Dropout(config.dropout_rate)
 
     def __call__(self, tokens: Array, positions: Array, *, deterministic: bool, rngs: nnx.Rngs | None) -> Array:
@@ -151,6 +170,19 @@ class Embedder(nnx.Module):
         """[batch, length, embed] -> [batch, length, vocab] float32, through the transposed embedding."""
         table = self.embedding.embedding[...].astype(x.dtype)
         return jnp.einsum("ble,ve->blv", x, table, preferred_element_type=jnp.float32)
+
+
+def attention(implementation: str, query: Array, key: Array, value: Array, mask: Array, dropout: nnx.Dropout, *,
+              deterministic: bool, rngs: nnx.Rngs | None) -> Array:
+    """Scaled dot-product attention by `implementation` (ModelConfig.attention); same shapes as below."""
+    if implementation == "reference":
+        return dot_product_attention(query, key, value, mask, dropout, deterministic=deterministic, rngs=rngs)
+    if implementation == "cudnn" and jax.default_backend() != "gpu":
+        raise ValueError(f"model.attention='cudnn' (flash attention) needs a GPU; this is a {jax.default_backend()} "
+                         "backend: use model.attention='xla' or 'reference'")
+    # jax's kernels take the mask as [batch, heads or 1, q_length, k_length], like ours; softmax is float32 inside.
+    return jax.nn.dot_product_attention(query, key.astype(query.dtype), value.astype(query.dtype), mask=mask,
+                                        implementation=implementation)
 
 
 def dot_product_attention(query: Array, key: Array, value: Array, mask: Array, dropout: nnx.Dropout, *,
@@ -177,9 +209,11 @@ class MultiHeadAttention(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         dim, dtype = config.emb_dim, config.compute_dtype
-        def linear():
-            return nnx.Linear(dim, dim, use_bias=False, dtype=dtype, rngs=rngs)
-        self.query, self.key, self.value, self.output = linear(), linear(), linear(), linear()
+        def linear(*names):
+            init = partitioned(nnx.initializers.lecun_normal(), *names)
+            return nnx.Linear(dim, dim, use_bias=False, dtype=dtype, kernel_init=init, rngs=rngs)
+        self.query, self.key, self.value = linear("embed", "heads"), linear("embed", "heads"), linear("embed", "heads")
+        self.output = linear("heads", "embed")
         self.dropout = nnx.Dropout(config.attention_dropout_rate)
 
     def split_heads(self, x: Array) -> Array:
@@ -192,8 +226,8 @@ class MultiHeadAttention(nnx.Module):
     def __call__(self, x: Array, keys: Array, values: Array, mask: Array, *, deterministic: bool,
                  rngs: nnx.Rngs | None) -> Array:
         """Queries from x [batch, q_length, embed] over given keys/values -> [batch, q_length, embed]."""
-        attended = dot_product_attention(self.split_heads(self.query(x)), keys, values, mask, self.dropout,
-                                         deterministic=deterministic, rngs=rngs)
+        attended = attention(self.config.attention, self.split_heads(self.query(x)), keys, values, mask,
+                             self.dropout, deterministic=deterministic, rngs=rngs)
         return self.output(attended.reshape(*x.shape[:-1], self.config.emb_dim))
 
 
@@ -201,9 +235,11 @@ class FeedForward(nnx.Module):
     """FFN(x) = max(0, x W1 + b1) W2 + b2 (paper section 3.3), with relu dropout between."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        dtype = config.compute_dtype
-        self.hidden = nnx.Linear(config.emb_dim, config.mlp_dim, dtype=dtype, rngs=rngs)
-        self.output = nnx.Linear(config.mlp_dim, config.emb_dim, dtype=dtype, rngs=rngs)
+        dtype, kernel, bias = config.compute_dtype, nnx.initializers.lecun_normal(), nnx.initializers.zeros_init()
+        self.hidden = nnx.Linear(config.emb_dim, config.mlp_dim, dtype=dtype, rngs=rngs,
+                                 kernel_init=partitioned(kernel, "embed", "mlp"), bias_init=partitioned(bias, "mlp"))
+        self.output = nnx.Linear(config.mlp_dim, config.emb_dim, dtype=dtype, rngs=rngs,
+                                 kernel_init=partitioned(kernel, "mlp", "embed"), bias_init=partitioned(bias, "embed"))
         self.dropout = nnx.Dropout(config.relu_dropout_rate)
 
     def __call__(self, x: Array, *, deterministic: bool, rngs: nnx.Rngs | None) -> Array:
@@ -211,13 +247,18 @@ class FeedForward(nnx.Module):
         return self.output(hidden)
 
 
+def layer_norm(config: ModelConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    return nnx.LayerNorm(config.emb_dim, epsilon=config.layer_norm_epsilon, dtype=config.compute_dtype,
+                         scale_init=partitioned(nnx.initializers.ones_init(), "embed"),
+                         bias_init=partitioned(nnx.initializers.zeros_init(), "embed"), rngs=rngs)
+
+
 class Residual(nnx.Module):
     """Add & norm around one sublayer: post-LN LayerNorm(x + Dropout(f(x))), or pre-LN x + Dropout(f(LayerNorm(x)))."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.pre_norm = config.layer_norm == "pre"
-        self.norm = nnx.LayerNorm(config.emb_dim, epsilon=config.layer_norm_epsilon, dtype=config.compute_dtype,
-                                  rngs=rngs)
+        self.norm = layer_norm(config, rngs)
         self.dropout = nnx.Dropout(config.dropout_rate)
 
     def __call__(self, x: Array, sublayer, *, deterministic: bool, rngs: nnx.Rngs | None) -> Array:
@@ -293,15 +334,15 @@ class Transformer(nnx.Module):
         self.target_embedder = Embedder(config, rngs=rngs)
         self.source_embedder = self.target_embedder if config.share_embeddings else Embedder(config, rngs=rngs)
         if not config.tie_output_embedding:
-            self.output_projection = nnx.Linear(config.emb_dim, config.vocab_size, use_bias=False,
-                                                dtype=config.compute_dtype, preferred_element_type=jnp.float32,
-                                                rngs=rngs)
+            self.output_projection = nnx.Linear(
+                config.emb_dim, config.vocab_size, use_bias=False, dtype=config.compute_dtype,
+                preferred_element_type=jnp.float32,
+                kernel_init=partitioned(nnx.initializers.lecun_normal(), "embed", "vocab"), rngs=rngs)
         self.encoder_layers = nnx.List([EncoderLayer(config, rngs=rngs) for _ in range(config.num_encoder_layers)])
         self.decoder_layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_decoder_layers)])
         if config.layer_norm == "pre":  # pre-LN leaves the residual stream unnormalised: close each stack
-            norm = dict(epsilon=config.layer_norm_epsilon, dtype=config.compute_dtype, rngs=rngs)
-            self.encoder_norm = nnx.LayerNorm(config.emb_dim, **norm)
-            self.decoder_norm = nnx.LayerNorm(config.emb_dim, **norm)
+            self.encoder_norm = layer_norm(config, rngs)
+            self.decoder_norm = layer_norm(config, rngs)
 
     def encode(self, inputs: Array, *, inputs_segmentation: Array | None = None, inputs_position: Array | None = None,
                deterministic: bool = True, rngs: nnx.Rngs | None = None) -> Array:
@@ -310,7 +351,7 @@ class Transformer(nnx.Module):
         mask = attention_mask(segmentation, segmentation)
         x = self.source_embedder(inputs, positions_of(inputs, inputs_position), deterministic=deterministic, rngs=rngs)
         for layer in self.encoder_layers:
-            x = layer(x, mask, deterministic=deterministic, rngs=rngs)
+            x = self._maybe_remat(layer, deterministic)(x, mask, rngs=rngs)
         return self.encoder_norm(x) if self.config.layer_norm == "pre" else x
 
     def decode(self, decoder_inputs: Array, encoded: Array, inputs: Array, *,
@@ -330,8 +371,16 @@ class Transformer(nnx.Module):
         positions = positions_of(decoder_inputs, targets_position)
         x = self.target_embedder(decoder_inputs, positions, deterministic=deterministic, rngs=rngs)
         for layer in self.decoder_layers:
-            x, _ = layer(x, encoded, self_mask, cross_mask, deterministic=deterministic, rngs=rngs)
+            x, _ = self._maybe_remat(layer, deterministic)(x, encoded, self_mask, cross_mask, rngs=rngs)
         return self.logits(x)
+
+    def _maybe_remat(self, layer: nnx.Module, deterministic: bool):
+        """The layer's call, under nnx.remat when config.remat: its activations are recomputed in the backward
+        pass instead of stored (per-layer checkpointing, as in flax's wmt example)."""
+        def call(layer, rngs, *args):  # positional only: nnx.remat resolves no keyword arguments
+            return layer(*args, deterministic=deterministic, rngs=rngs)
+        wrapped = nnx.remat(call) if self.config.remat else call
+        return lambda *args, rngs: wrapped(layer, rngs, *args)
 
     def __call__(self, inputs: Array, decoder_inputs: Array, *, inputs_segmentation: Array | None = None,
                  inputs_position: Array | None = None, targets_segmentation: Array | None = None,

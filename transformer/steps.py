@@ -18,7 +18,8 @@ import optax
 from flax import nnx
 
 PyTree = Any
-SUM_KEYS = ("loss", "nll", "correct", "denominator", "source_tokens")  # summed over batches and steps
+SUM_KEYS = ("loss", "nll", "correct", "denominator", "source_tokens",  # summed over batches and steps
+            "encoder_pairs", "decoder_pairs", "cross_pairs")
 
 
 @flax.struct.dataclass
@@ -42,26 +43,47 @@ def label_smoothed_cross_entropy(logits: jax.Array, targets: jax.Array, label_sm
     """Per-token cross-entropy against (1 - eps) on the target and eps / (V - 1) on every other class,
     minus that distribution's entropy, so a perfect prediction scores 0 (tensor2tensor and flax wmt do
     the same). logits [..., V] float32, targets [...] int -> [...] float32."""
+    return _smoothed_cross_entropy(logits, targets, label_smoothing, jax.nn.logsumexp(logits, axis=-1))
+
+
+def _smoothed_cross_entropy(logits, targets, label_smoothing, log_normalizer):
+    # -sum_k soft_k (logit_k - lse) = lse - (conf - low) logit_target - low sum_k logit_k, since sum_k soft_k = 1:
+    # a gather and a sum instead of a [tokens, vocab] one-hot and a second log-softmax (a measured CPU win).
     vocab_size = logits.shape[-1]
     confidence = 1.0 - label_smoothing
     low = label_smoothing / (vocab_size - 1)
     entropy = -(confidence * jnp.log(confidence) + (vocab_size - 1) * low * jnp.log(low + 1e-20))
-    soft_targets = jax.nn.one_hot(targets, vocab_size) * (confidence - low) + low
-    return -jnp.sum(soft_targets * jax.nn.log_softmax(logits), axis=-1) - entropy
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    smoothed = (confidence - low) * target_logit + low * jnp.sum(logits, axis=-1)
+    return log_normalizer - smoothed - entropy
 
 
 def token_metrics(logits: jax.Array, batch: dict[str, jax.Array], label_smoothing: float) -> dict[str, jax.Array]:
     """Sums over non-padding target tokens: smoothed loss, plain negative log-likelihood, correct argmax."""
     targets = batch["targets"]
     weights = (targets != 0).astype(jnp.float32)
-    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
+    log_normalizer = jax.nn.logsumexp(logits, axis=-1)
+    nll = log_normalizer - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return {
-        "loss": jnp.sum(label_smoothed_cross_entropy(logits, targets, label_smoothing) * weights),
+        "loss": jnp.sum(_smoothed_cross_entropy(logits, targets, label_smoothing, log_normalizer) * weights),
         "nll": jnp.sum(nll * weights),
         "correct": jnp.sum((jnp.argmax(logits, axis=-1) == targets) * weights),
         "denominator": jnp.sum(weights),
         "source_tokens": jnp.sum(batch["inputs"] != 0).astype(jnp.float32),
     }
+
+
+def attention_pairs(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Query-key pairs that attend within a segment (packed rows count each sentence's own square), for the
+    analytic model-FLOP count (transformer/throughput.py). Causal self-attention counts the full square, as the
+    peers' dense masked matrices do. Float sums, like the other SUM_KEYS."""
+    source = batch.get("inputs_segmentation", (batch["inputs"] != 0).astype(jnp.int32))
+    target = batch.get("targets_segmentation", (batch["targets"] != 0).astype(jnp.int32))
+
+    def pairs(query, key):
+        return jnp.sum((query[:, :, None] == key[:, None, :]) & (key[:, None, :] != 0)).astype(jnp.float32)
+    return {"encoder_pairs": pairs(source, source), "decoder_pairs": pairs(target, target),
+            "cross_pairs": pairs(target, source)}
 
 
 def forward(model: nnx.Module, batch: dict[str, jax.Array], *, deterministic: bool,
@@ -74,19 +96,63 @@ def forward(model: nnx.Module, batch: dict[str, jax.Array], *, deterministic: bo
                  deterministic=deterministic, rngs=rngs)
 
 
+def dropout_rngs(key: jax.Array, rng_impl: str) -> nnx.Rngs:
+    """The step's dropout streams. threefry2x32 (default) gives the same masks on any mesh; rbg and
+    unsafe_rbg draw masks with XLA's RngBitGenerator, several times cheaper on CPU, but their bits may
+    change with the sharding, so a run is then reproducible only on the same mesh."""
+    if rng_impl == "threefry2x32":
+        return nnx.Rngs(dropout=key)
+    bits = jax.random.bits(key, (4,), jnp.uint32)  # an rbg key is 4 words
+    return nnx.Rngs(dropout=jax.random.wrap_key_data(bits, impl=rng_impl))
+
+
+def microbatches(batch: dict[str, jax.Array], num_microbatches: int) -> dict[str, jax.Array]:
+    """[rows, ...] -> [num_microbatches, rows / num_microbatches, ...], microbatch m = rows m, m + M, m + 2M, ...:
+    strided, so a device keeps its own rows of a batch split over the mesh (no resharding)."""
+    def split(x):
+        rows = x.shape[0]
+        if rows % num_microbatches:
+            raise ValueError(f"train.num_microbatches={num_microbatches} must divide the {rows} rows per batch")
+        return x.reshape(rows // num_microbatches, num_microbatches, *x.shape[1:]).swapaxes(0, 1)
+    return jax.tree.map(split, batch)
+
+
+def gradients(params: PyTree, batch: dict[str, jax.Array], dropout_key: jax.Array, *, graphdef: nnx.GraphDef,
+              label_smoothing: float, num_microbatches: int, rng_impl: str) -> tuple[PyTree, dict[str, jax.Array]]:
+    """Gradient of the summed smoothed loss and the metric sums, over num_microbatches sequential slices
+    (lax.scan): sums add up exactly, so the caller's division by the token count equals the one-big-batch
+    update. Microbatch m draws dropout from fold_in(dropout_key, m)."""
+    def loss_fn(params, batch, key):
+        model = nnx.merge(graphdef, params)
+        logits = forward(model, batch, deterministic=False, rngs=dropout_rngs(key, rng_impl))
+        metrics = token_metrics(logits, batch, label_smoothing)
+        return metrics["loss"], metrics
+
+    grad_fn = jax.grad(loss_fn, has_aux=True)
+    if num_microbatches == 1:
+        return grad_fn(params, batch, dropout_key)
+
+    def accumulate(carry, inputs):
+        index, micro = inputs
+        grads, metrics = grad_fn(params, micro, jax.random.fold_in(dropout_key, index))
+        return jax.tree.map(jnp.add, carry, (grads, metrics)), None
+
+    split = microbatches(batch, num_microbatches)
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                         jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], split), dropout_key))
+    (grads, metrics), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(num_microbatches), split))
+    return grads, metrics
+
+
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
-               optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-               label_smoothing: float) -> tuple[TrainState, dict[str, jax.Array]]:
+               optimizer: optax.GradientTransformation, schedule: optax.Schedule, label_smoothing: float,
+               num_microbatches: int = 1, rng_impl: str = "threefry2x32") -> tuple[TrainState, dict[str, jax.Array]]:
     """One Adam update on the mean smoothed loss per target token. Dropout key: fold_in(state.rng, step)."""
     dropout_key = jax.random.fold_in(state.rng, state.step)
-
-    def loss_fn(params):
-        model = nnx.merge(graphdef, params)
-        logits = forward(model, batch, deterministic=False, rngs=nnx.Rngs(dropout=dropout_key))
-        metrics = token_metrics(logits, batch, label_smoothing)
-        return metrics["loss"] / jnp.maximum(metrics["denominator"], 1.0), metrics
-
-    grads, metrics = jax.grad(loss_fn, has_aux=True)(state.params)
+    grads, metrics = gradients(state.params, batch, dropout_key, graphdef=graphdef, label_smoothing=label_smoothing,
+                               num_microbatches=num_microbatches, rng_impl=rng_impl)
+    grads = jax.tree.map(lambda g: g / jnp.maximum(metrics["denominator"], 1.0), grads)
+    metrics.update(attention_pairs(batch))
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics.update(grad_norm=optax.tree.norm(grads), update_norm=optax.tree.norm(updates),
@@ -109,4 +175,5 @@ def summarize(metrics: list[dict[str, Any]]) -> dict[str, float]:
     summary.update(loss=total["loss"] / denominator, accuracy=total["correct"] / denominator,
                    perplexity=float(np.exp(min(total["nll"] / denominator, 50.0))),
                    target_tokens=total["denominator"], source_tokens=total["source_tokens"])
+    summary.update({key: total[key] for key in ("encoder_pairs", "decoder_pairs", "cross_pairs") if key in total})
     return summary

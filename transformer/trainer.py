@@ -19,7 +19,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from transformer import data, decode, metrics
+from transformer import data, decode, metrics, sharding, throughput
 from transformer.metrics import log
 from transformer.checkpoint import Checkpointer, abstract_like
 from transformer.model import ModelConfig, Transformer
@@ -28,6 +28,7 @@ from transformer.steps import TrainState, eval_step, summarize, train_step
 from transformer.tokenizer import Tokenizer
 
 CONFIG_FILE = "config.json"
+DROPOUT_RNGS = ("threefry2x32", "rbg", "unsafe_rbg")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +41,14 @@ class TrainConfig:
     checkpoint_every_steps: int = 500
     keep_checkpoints: int = 3
     async_checkpointing: bool = True
+    num_microbatches: int = 1
+    dropout_rng: str = "threefry2x32"
 
     def __post_init__(self):
+        if self.num_microbatches < 1:
+            raise ValueError(f"train.num_microbatches={self.num_microbatches} must be >= 1")
+        if self.dropout_rng not in DROPOUT_RNGS:
+            raise ValueError(f"train.dropout_rng={self.dropout_rng!r} is not one of {DROPOUT_RNGS}")
         if self.num_train_steps < 0:
             raise ValueError(f"train.num_train_steps={self.num_train_steps} must be >= 0")
         for name in ("log_every_steps", "checkpoint_every_steps", "keep_checkpoints"):
@@ -82,6 +89,7 @@ class Settings:
     optimizer: OptimizerConfig
     train: TrainConfig
     decode: DecodeConfig
+    mesh: sharding.MeshConfig = sharding.MeshConfig()
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> "Settings":
@@ -97,13 +105,16 @@ class Settings:
 
         model = config.model.to_dict()
         build(ModelConfig, "model", vocab_size=1)  # validates shapes before any data work
-        unknown = sorted(set(config.keys()) - {"seed", "data", "model", "optimizer", "train", "decode"})
+        unknown = sorted(set(config.keys()) - {"seed", "data", "model", "optimizer", "train", "decode", "mesh"})
         if unknown:
             raise ValueError(f"unknown top-level config key(s) {unknown}")
         settings = cls(seed=int(config.seed), data=build(data.DataConfig, "data"), model=model,
                        optimizer=build(OptimizerConfig, "optimizer"), train=build(TrainConfig, "train"),
-                       decode=build(DecodeConfig, "decode"))
+                       decode=build(DecodeConfig, "decode"), mesh=build(sharding.MeshConfig, "mesh"))
         settings.decode.splits  # validates the split names now, before training
+        if settings.data.rows_per_batch % settings.train.num_microbatches:
+            raise ValueError(f"train.num_microbatches={settings.train.num_microbatches} must divide the "
+                             f"{settings.data.rows_per_batch} rows per batch (data.tokens_per_batch // max_length)")
         if settings.seed < 0:
             raise ValueError(f"config.seed={settings.seed} must be >= 0")
         if model.get("positional_encoding") == "learned" and model.get("max_length", 0) < settings.data.max_length:
@@ -128,16 +139,25 @@ def init_params(model_config: ModelConfig, key: jax.Array) -> dict:
     return nnx.to_pure_dict(nnx.state(Transformer(model_config, rngs=nnx.Rngs(params=key)), nnx.Param))
 
 
-def create_train_state(model_config: ModelConfig, optimizer, seed: int) -> TrainState:
+def create_train_state(model_config: ModelConfig, optimizer, seed: int, shardings: Any = None) -> TrainState:
+    """The initial state, born sharded when `shardings` (state_shardings) is given: no device ever holds more
+    than its shard."""
     def init(key):
         params_key, dropout_key = jax.random.split(key)
         params = init_params(model_config, params_key)
         return TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params), rng=dropout_key)
-    return jax.jit(init)(jax.random.PRNGKey(seed))
+    return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(seed))
 
 
-def abstract_train_state(model_config: ModelConfig, optimizer, seed: int) -> TrainState:
-    return jax.eval_shape(lambda: create_train_state(model_config, optimizer, seed))
+def abstract_train_state(model_config: ModelConfig, optimizer, seed: int, shardings: Any = None) -> TrainState:
+    abstract = jax.eval_shape(lambda: create_train_state(model_config, optimizer, seed))
+    return abstract if shardings is None else sharding.with_shardings(abstract, shardings)
+
+
+def state_shardings(model_config: ModelConfig, optimizer, mesh, mesh_config: sharding.MeshConfig) -> TrainState:
+    abstract_model = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0)))
+    return sharding.train_state_shardings(abstract_train_state(model_config, optimizer, 0), abstract_model,
+                                          optimizer, mesh, mesh_config)
 
 
 def count_params(params: dict) -> int:
@@ -163,6 +183,12 @@ def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
     for split in splits:
         if not pairs[split]:
             raise data.DataError(f"the {split} split has no sentence pairs")
+    if jax.process_count() > 1 and not settings.data.vocab_path:
+        # One process trains the vocabulary into the (shared) workdir; the others read it afterwards.
+        from jax.experimental import multihost_utils
+        if jax.process_index() == 0:
+            data.load_or_train_tokenizer(settings.data, pairs["train"], workdir)
+        multihost_utils.sync_global_devices("vocabulary written")
     tokenizer = data.load_or_train_tokenizer(settings.data, pairs["train"], workdir)
     cache = data.load_or_build_token_cache(pairs["train"], tokenizer, workdir, "train",
                                            num_workers=settings.data.num_workers)
@@ -184,9 +210,10 @@ def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
     return Corpus(tokenizer, pairs, examples, cache, length_filter.kept)
 
 
-def place_batch(local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    """The one place training batches meet the devices: this process's rows -> global arrays."""
-    return data.global_batch(local_batch)
+def place_batch(local_batch: dict[str, np.ndarray], batch_sharding) -> dict[str, jax.Array]:
+    """The one place training batches meet the devices: this process's rows -> global arrays split over the
+    mesh's batch axes."""
+    return data.global_batch(local_batch, batch_sharding)
 
 
 def batches_with_states(iterator) -> Iterator[tuple[dict, bytes]]:
@@ -196,14 +223,42 @@ def batches_with_states(iterator) -> Iterator[tuple[dict, bytes]]:
         yield batch, data.iterator_state_json(iterator)
 
 
-def prefetch_to_device(batches: Iterator[tuple[dict, Any]], size: int = 2) -> Iterator[tuple[dict, Any]]:
-    """Keep `size` batches in flight to the device while the current step runs; passes each one's state on."""
+def prefetch_to_device(batches: Iterator[tuple[dict, Any]], batch_sharding, size: int = 2
+                       ) -> Iterator[tuple[dict, Any]]:
+    """Keep `size` batches in flight to the devices while the current step runs; passes each one's state on."""
     queue: deque = deque()
     for batch, state in batches:
-        queue.append((place_batch(batch), state))
+        queue.append((place_batch(batch, batch_sharding), state))
         if len(queue) >= size:
             yield queue.popleft()
     yield from queue
+
+
+def make_steps(graphdef, optimizer, schedule, train_config: TrainConfig, state_shardings, batch_sharding):
+    """The jitted train step (state donated, shardings declared in and out) and eval step."""
+    step_kw = dict(graphdef=graphdef, label_smoothing=train_config.label_smoothing)
+    train = jax.jit(functools.partial(train_step, optimizer=optimizer, schedule=schedule,
+                                      num_microbatches=train_config.num_microbatches,
+                                      rng_impl=train_config.dropout_rng, **step_kw),
+                    in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None),
+                    donate_argnums=0)
+    evaluate = jax.jit(functools.partial(eval_step, **step_kw), in_shardings=(state_shardings.params, batch_sharding))
+    return train, evaluate
+
+
+def throughput_metrics(summary: dict[str, float], model_config: ModelConfig, seconds: float, steps: int,
+                       peak_flops: float | None) -> dict[str, float]:
+    """Tokens/s (real, non-padding tokens) and MFU over a logging window: analytic model FLOPs of the batches'
+    real tokens and attention pairs (throughput.model_flops) / seconds / the devices' peak."""
+    flops = throughput.model_flops(model_config, source_tokens=summary["source_tokens"],
+                                   target_tokens=summary["target_tokens"], encoder_pairs=summary["encoder_pairs"],
+                                   decoder_pairs=summary["decoder_pairs"], cross_pairs=summary["cross_pairs"])
+    out = {"tokens_per_second": summary["target_tokens"] / seconds,
+           "all_tokens_per_second": (summary["target_tokens"] + summary["source_tokens"]) / seconds,
+           "steps_per_second": steps / seconds, "model_flops_per_second": flops / seconds}
+    if peak_flops:
+        out["mfu"] = flops / seconds / (peak_flops * jax.device_count())
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -229,12 +284,19 @@ class Run:
         self.model_config = settings.model_config(self.corpus.tokenizer.vocab_size)
         self.optimizer, self.schedule = make_optimizer(settings.optimizer, self.model_config.emb_dim)
         self.graphdef = model_graphdef(self.model_config)
+        self.mesh = sharding.make_mesh(settings.mesh)
+        sharding.check_batch_divisible(settings.data.rows_per_batch // settings.train.num_microbatches, self.mesh,
+                                       settings.mesh, "data.tokens_per_batch / train.num_microbatches")
+        self.state_shardings = state_shardings(self.model_config, self.optimizer, self.mesh, settings.mesh)
+        self.batch_sharding = sharding.batch_sharding(self.mesh, settings.mesh)
         self.checkpointer = Checkpointer(checkpoint_dir, save_every_steps=settings.train.checkpoint_every_steps,
                                          keep=settings.train.keep_checkpoints,
                                          use_async=settings.train.async_checkpointing)
         self.data_state: bytes | None = None  # the data iterator's state in the restored checkpoint
         self.state = self._restore_or_init()
         self.is_writer = jax.process_index() == 0
+        if not self.is_writer:  # one console: process 0's
+            log.setLevel("WARNING")
         if self.is_writer:
             with open(os.path.join(workdir, CONFIG_FILE), "w", encoding="utf-8") as handle:
                 handle.write(config.to_json(indent=2))
@@ -242,8 +304,9 @@ class Run:
     def _restore_or_init(self) -> TrainState:
         latest = self.checkpointer.latest_step()
         if latest is None:
-            return create_train_state(self.model_config, self.optimizer, self.settings.seed)
-        abstract = abstract_train_state(self.model_config, self.optimizer, self.settings.seed)
+            return create_train_state(self.model_config, self.optimizer, self.settings.seed, self.state_shardings)
+        # Restored straight into this run's shardings, whatever mesh wrote the checkpoint.
+        abstract = abstract_train_state(self.model_config, self.optimizer, self.settings.seed, self.state_shardings)
         state = self.checkpointer.restore(abstract, latest)  # raises, touching nothing, on a shape mismatch
         self.data_state = self.checkpointer.restore_data_state(latest)
         log.info("resumed from %s at step %d", self.checkpointer.directory, latest)
@@ -251,14 +314,12 @@ class Run:
 
     def compile(self) -> tuple[Any, Any, float]:
         """The jitted train and eval steps, compiled once on the real shapes; returns the compile seconds."""
-        step_kw = dict(graphdef=self.graphdef, label_smoothing=self.settings.train.label_smoothing)
-        train = jax.jit(functools.partial(train_step, optimizer=self.optimizer, schedule=self.schedule, **step_kw),
-                        donate_argnums=0)
-        evaluate = jax.jit(functools.partial(eval_step, **step_kw))
-        shapes = data.batch_shapes(self.settings.data.rows_per_batch, self.settings.data.max_length)
+        batch = data.batch_shapes(self.settings.data.rows_per_batch, self.settings.data.max_length)
+        train, evaluate = make_steps(self.graphdef, self.optimizer, self.schedule, self.settings.train,
+                                     self.state_shardings, self.batch_sharding)
         start = time.perf_counter()
-        train = train.lower(abstract_like(self.state), shapes).compile()
-        evaluate = evaluate.lower(abstract_like(self.state.params), shapes).compile()
+        train = train.lower(abstract_like(self.state), abstract_like(batch)).compile()
+        evaluate = evaluate.lower(abstract_like(self.state.params), abstract_like(batch)).compile()
         return train, evaluate, time.perf_counter() - start
 
     def search_fn(self):
@@ -267,7 +328,7 @@ class Run:
     def evaluate_loss(self, evaluate) -> dict[str, float]:
         batches = data.eval_batches(self.corpus.examples["valid"], max_length=self.settings.data.max_length,
                                     rows_per_batch=self.settings.data.rows_per_batch)
-        outputs = [evaluate(self.state.params, batch) for batch in batches]
+        outputs = [evaluate(self.state.params, sharding.place_batch(batch, self.batch_sharding)) for batch in batches]
         summary = summarize(jax.device_get(outputs))
         return {key: summary[key] for key in ("loss", "accuracy", "perplexity", "target_tokens")}
 
@@ -293,11 +354,14 @@ class Run:
         params = count_params(self.state.params)
         log.info("model: %s parameters; vocab %d; %d rows x %d tokens per batch", f"{params:,}",
                      self.model_config.vocab_size, settings.data.rows_per_batch, settings.data.max_length)
+        log.info("mesh %s over %d devices (%s) in %d processes", dict(self.mesh.shape), jax.device_count(),
+                 jax.devices()[0].device_kind, jax.process_count())
         train, evaluate, compile_seconds = self.compile()
         log.info("compiled train and eval steps in %.1fs", compile_seconds)
         iterator = self.train_iterator(start_step)
-        batches = prefetch_to_device(batches_with_states(iterator))
+        batches = prefetch_to_device(batches_with_states(iterator), self.batch_sharding)
         data_state = None
+        peak_flops = throughput.device_peak_flops(dtype=self.model_config.dtype)
         writer = metrics.MetricWriter(self.workdir, enabled=self.is_writer, resume_step=start_step)
         progress = metrics.Progress(train_config.num_train_steps, start_step)
         search = self.search_fn()
@@ -312,8 +376,8 @@ class Run:
                 summary = summarize(jax.device_get(pending))  # the loop's only host sync
                 now = time.perf_counter()
                 train_seconds += now - last_time
-                summary["tokens_per_second"] = summary["target_tokens"] / (now - last_time)
-                summary["steps_per_second"] = (step - last_step) / (now - last_time)
+                summary.update(throughput_metrics(summary, self.model_config, now - last_time, step - last_step,
+                                                  peak_flops))
                 if not np.isfinite(summary["loss"]):
                     raise FloatingPointError(f"non-finite training loss {summary['loss']} at step {step}; "
                                              f"last checkpoint: {self.checkpointer.latest_step()}")
@@ -322,7 +386,9 @@ class Run:
                 progress.update(step - last_step, summary)
                 progress.write(f"step {step}: loss {summary['loss']:.4f} acc {summary['accuracy']:.3f} "
                                f"lr {summary['learning_rate']:.2e} grad_norm {summary['grad_norm']:.3f} "
-                               f"{summary['tokens_per_second']:.0f} target tokens/s, ETA {eta:.0f}s")
+                               f"{summary['tokens_per_second']:.0f} target tokens/s "
+                               f"({summary['all_tokens_per_second']:.0f} with source), "
+                               f"MFU {summary.get('mfu', float('nan')):.3f}, ETA {eta:.0f}s")
                 pending, last_time, last_step = [], time.perf_counter(), step
             if step != train_config.num_train_steps:  # the final step is evaluated after the loop
                 paused = time.perf_counter()
@@ -387,7 +453,7 @@ class Run:
 # Settings a resumed run may change; any other difference from the workdir's config.json is refused.
 RESUMABLE_CHANGES = ("train.num_train_steps", "train.log_every_steps", "train.eval_every_steps",
                      "train.bleu_every_steps", "train.checkpoint_every_steps", "train.keep_checkpoints",
-                     "train.async_checkpointing", "decode.")
+                     "train.async_checkpointing", "decode.", "mesh.", "train.num_microbatches")
 
 
 def check_resume_config(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict) -> None:

@@ -1,0 +1,239 @@
+"""Benchmark the training step, or check ahead of a job that a config compiles and fits in memory.
+
+    # median step time, tokens/s and MFU at the peers' 'small' shapes (see docs/benchmarks.md)
+    PYTHONPATH=. python scripts/benchmark.py --mode=train --shape=small
+    # any config, batch and mesh; float32 or bfloat16; results appended to a JSONL
+    PYTHONPATH=. python scripts/benchmark.py --mode=train --config=configs/base.py --batch=64 \\
+        --config.model.dtype=bfloat16 --output=runs/bench.jsonl
+    # lower and compile only: memory per device for a mesh, before the job starts
+    PYTHONPATH=. python scripts/benchmark.py --compile_only --config=configs/big.py --config.mesh.fsdp=8
+
+Batches are synthetic: every row holds `source_length` / `target_length` random non-padding tokens (no
+packing), like the peers' harness (/work/shared/peers/hf_throughput.py). Model FLOPs are
+transformer/throughput.model_flops; MFU is against a float32 4096^3 matmul measured in the same run on CPU
+(--peak_size), or the table of device kinds on accelerators.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import resource
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# glibc serves XLA's large per-step buffers with fresh mmaps: every step then takes a page fault per 4 KiB
+# (~130k for the 'small' step) and the kernel zeroes each page. Transparent huge pages (glibc >= 2.35) cut the
+# faults 40x and the CPU step time by ~20% here (docs/benchmarks.md). The loader reads the tunable at start,
+# hence the re-exec; --nohugepages measures without it.
+HUGEPAGES = "glibc.malloc.hugetlb=1"
+if "--nohugepages" not in sys.argv and HUGEPAGES not in os.environ.get("GLIBC_TUNABLES", ""):
+    tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES", ""), HUGEPAGES]))
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "GLIBC_TUNABLES": tunables})
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.py")
+config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Config file (any field overridable).", lock_config=True)
+flags.DEFINE_enum("mode", "train", ["train"], "What to benchmark.")
+flags.DEFINE_bool("compile_only", False, "Only lower and compile the train step; report memory per device.")
+flags.DEFINE_enum("shape", None, ["small", "base"], "The peers' shapes (bench_common.CONFIGS): set the model, "
+                  "vocabulary, dropout 0.1 and batch; overrides the config's model fields.")
+flags.DEFINE_integer("batch", 64, "Sentences per step (rows).")
+flags.DEFINE_integer("source_length", 32, "Source tokens per row.")
+flags.DEFINE_integer("target_length", 32, "Target tokens per row.")
+flags.DEFINE_integer("vocab_size", 8000, "Vocabulary size (the config's tokenizer is not trained here).")
+flags.DEFINE_integer("steps", 25, "Timed steps; the median is reported.")
+flags.DEFINE_integer("warmup", 3, "Untimed steps after compilation.")
+flags.DEFINE_integer("peak_size", 4096, "CPU: size of the float32 matmul whose FLOP/s is the MFU peak.")
+flags.DEFINE_bool("hugepages", True, "Re-run under GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (see above).")
+flags.DEFINE_string("output", "", "Append the result as one JSON line to this file.")
+
+# The peers' shapes (/work/shared/peers/bench_common.CONFIGS), with their dropout 0.1 on embeddings and sublayers.
+SHAPES = {
+    "small": dict(model=dict(emb_dim=256, num_encoder_layers=3, num_decoder_layers=3, num_heads=4, mlp_dim=1024),
+                  vocab_size=8000, batch=64, source_length=32, target_length=32),
+    "base": dict(model=dict(emb_dim=512, num_encoder_layers=6, num_decoder_layers=6, num_heads=8, mlp_dim=2048),
+                 vocab_size=32000, batch=32, source_length=32, target_length=32),
+}
+
+
+def apply_shape(config, shape: str | None) -> dict:
+    """The --shape preset written into the config; returns batch/length/vocab (the flags' values otherwise)."""
+    sizes = dict(batch=flags.FLAGS.batch, source_length=flags.FLAGS.source_length,
+                 target_length=flags.FLAGS.target_length, vocab_size=flags.FLAGS.vocab_size)
+    if shape:
+        preset = SHAPES[shape]
+        for key, value in preset["model"].items():
+            config.model[key] = value
+        config.model.dropout_rate = 0.1
+        config.model.share_embeddings = config.model.tie_output_embedding = True
+        sizes.update({k: v for k, v in preset.items() if k != "model"})
+    return sizes
+
+
+def synthetic_batch(batch: int, source_length: int, target_length: int, vocab_size: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"inputs": rng.integers(3, vocab_size, (batch, source_length), dtype=np.int32),
+            "targets": rng.integers(3, vocab_size, (batch, target_length), dtype=np.int32)}
+
+
+def build(config, sizes: dict):
+    """Everything a train step needs, from the config and sizes: model config, mesh, shardings, steps."""
+    from transformer import sharding, trainer
+    from transformer.optim import make_optimizer
+
+    settings = trainer.Settings.from_config(config)
+    model_config = settings.model_config(sizes["vocab_size"])
+    optimizer, schedule = make_optimizer(settings.optimizer, model_config.emb_dim)
+    mesh = sharding.make_mesh(settings.mesh)
+    sharding.check_batch_divisible(sizes["batch"] // settings.train.num_microbatches, mesh, settings.mesh,
+                                   "--batch / train.num_microbatches")
+    state_shardings = trainer.state_shardings(model_config, optimizer, mesh, settings.mesh)
+    batch_sharding = sharding.batch_sharding(mesh, settings.mesh)
+    train, _ = trainer.make_steps(trainer.model_graphdef(model_config), optimizer, schedule, settings.train,
+                                  state_shardings, batch_sharding)
+    return settings, model_config, optimizer, mesh, state_shardings, batch_sharding, train
+
+
+def memory_of(compiled) -> dict:
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return {}
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes",
+              "generated_code_size_in_bytes")
+    memory = {name: int(getattr(analysis, name, 0) or 0) for name in fields}
+    # Donated state aliases its outputs: arguments + outputs - aliased + temporaries is the step's footprint.
+    memory["total_per_device_bytes"] = (memory["argument_size_in_bytes"] + memory["output_size_in_bytes"]
+                                        - memory["alias_size_in_bytes"] + memory["temp_size_in_bytes"])
+    return memory
+
+
+def describe(config, sizes: dict, mesh) -> dict:
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": platform.node(), "cpus": os.cpu_count(), "device_kind": jax.devices()[0].device_kind,
+            "devices": jax.device_count(), "mesh": dict(mesh.shape), "jax": jax.__version__,
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "model": config.model.to_dict(), "train": {"num_microbatches": config.train.num_microbatches,
+                                                       "dropout_rng": config.train.dropout_rng}, **sizes}
+
+
+def run_compile_only(config, sizes: dict) -> dict:
+    """Lower and compile the train step for the config and mesh, with no array allocated; memory per device."""
+    from transformer import trainer
+    from transformer.checkpoint import abstract_like
+
+    settings, model_config, optimizer, mesh, state_shardings, batch_sharding, train = build(config, sizes)
+    abstract_state = trainer.abstract_train_state(model_config, optimizer, settings.seed, state_shardings)
+    batch = abstract_like(synthetic_batch(sizes["batch"], sizes["source_length"], sizes["target_length"], 10))
+    start = time.perf_counter()
+    compiled = train.lower(abstract_state, batch).compile()
+    result = describe(config, sizes, mesh)
+    result.update(mode="compile_only", compile_seconds=time.perf_counter() - start, memory=memory_of(compiled))
+    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    if limit:
+        result["memory"]["device_limit_bytes"] = int(limit)
+        result["fits"] = result["memory"]["total_per_device_bytes"] <= limit
+    return result
+
+
+def run_train(config, sizes: dict, *, steps: int, warmup: int, peak_size: int) -> dict:
+    """Compile time, median step time over `steps` after `warmup`, tokens/s, MFU and peak memory."""
+    from transformer import sharding, throughput, trainer
+    from transformer.checkpoint import abstract_like
+
+    settings, model_config, optimizer, mesh, state_shardings, batch_sharding, train = build(config, sizes)
+    state = trainer.create_train_state(model_config, optimizer, settings.seed, state_shardings)
+    host_batch = synthetic_batch(sizes["batch"], sizes["source_length"], sizes["target_length"],
+                                 model_config.vocab_size)
+    batch = sharding.place_batch(host_batch, batch_sharding)
+    start = time.perf_counter()
+    compiled = train.lower(abstract_like(state), abstract_like(batch)).compile()
+    compile_seconds = time.perf_counter() - start
+    for _ in range(warmup):
+        state, metrics = compiled(state, batch)
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - start)
+    if not np.isfinite(float(metrics["loss"])):
+        raise FloatingPointError("non-finite loss in the benchmark")
+    median = float(np.median(times))
+    device = jax.devices()[0]
+    if device.platform == "cpu":  # measured now, in the same conditions as the steps
+        peak, peak_from = throughput.measure_matmul_flops(peak_size), f"float32 {peak_size}^3 matmul, median of 5"
+    else:
+        peak, peak_from = throughput.device_peak_flops(device, model_config.dtype), "device table"
+    flops = throughput.model_flops_of_shape(model_config, sizes["batch"], sizes["source_length"],
+                                            sizes["target_length"])
+    target_tokens = float(jax.device_get(metrics["denominator"]))
+    source_tokens = float(jax.device_get(metrics["source_tokens"]))
+    result = describe(config, sizes, mesh)
+    result.update(
+        mode="train", compile_seconds=compile_seconds, median_step_seconds=median, min_step_seconds=min(times),
+        max_step_seconds=max(times), steps=steps, target_tokens_per_second=target_tokens / median,
+        tokens_per_second=(target_tokens + source_tokens) / median, model_flops_per_step=flops,
+        peak_flops=peak and peak * jax.device_count(), peak_from=peak_from,
+        mfu=peak and flops / median / (peak * jax.device_count()), memory=memory_of(compiled),
+        max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, final_loss=float(metrics["loss"]
+                                                                                                 / target_tokens))
+    stats = device.memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        result["memory"]["peak_bytes_in_use"] = int(stats["peak_bytes_in_use"])
+    return result
+
+
+def print_table(result: dict) -> None:
+    rows = [("mode", result["mode"]), ("device", f"{result['devices']} x {result['device_kind']}"),
+            ("mesh", result["mesh"]), ("batch", f"{result['batch']} x {result['source_length']} x "
+                                                 f"{result['target_length']}, vocab {result['vocab_size']}"),
+            ("compile", f"{result['compile_seconds']:.1f} s")]
+    if result["mode"] == "train":
+        rows += [("median step", f"{result['median_step_seconds'] * 1000:.1f} ms "
+                                 f"(min {result['min_step_seconds'] * 1000:.1f}, max "
+                                 f"{result['max_step_seconds'] * 1000:.1f}, {result['steps']} steps)"),
+                 ("target tokens/s", f"{result['target_tokens_per_second']:,.0f}"),
+                 ("tokens/s (src+tgt)", f"{result['tokens_per_second']:,.0f}"),
+                 ("model GFLOP/step", f"{result['model_flops_per_step'] / 1e9:.2f}")]
+        if result["mfu"]:
+            rows += [("peak GFLOP/s", f"{result['peak_flops'] / 1e9:,.1f} ({result['peak_from']})"),
+                     ("MFU", f"{result['mfu']:.3f}")]
+        rows.append(("max RSS", f"{result['max_rss_bytes'] / 2**20:,.0f} MiB"))
+    for name, value in result.get("memory", {}).items():
+        rows.append((name, f"{value / 2**20:,.1f} MiB"))
+    if "fits" in result:
+        rows.append(("fits in device memory", result["fits"]))
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    config = flags.FLAGS.config
+    with config.unlocked():
+        sizes = apply_shape(config, flags.FLAGS.shape)
+    if flags.FLAGS.compile_only:
+        result = run_compile_only(config, sizes)
+    else:
+        result = run_train(config, sizes, steps=flags.FLAGS.steps, warmup=flags.FLAGS.warmup,
+                           peak_size=flags.FLAGS.peak_size)
+    print_table(result)
+    if flags.FLAGS.output:
+        os.makedirs(os.path.dirname(os.path.abspath(flags.FLAGS.output)), exist_ok=True)
+        with open(flags.FLAGS.output, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    app.run(main)

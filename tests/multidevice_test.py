@@ -1,0 +1,141 @@
+"""Sharded training on 8 fake CPU devices. Needs XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX
+starts, so sharding_test.py runs this module in a subprocess; in the ordinary 1-device session it is skipped.
+
+Fast: an accumulated step on (2,2,2) equals the big batch on (1,1,1); parameters are born sharded; a
+checkpoint saved on one mesh restores onto another. Slow: one step with dropout on (8,1,1), (2,4,1), (2,2,2)
+equals (1,1,1); accumulation over 4 slices on (2,1,1); bfloat16 trains.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (run by sharding_test.py)")
+
+from transformer import sharding, trainer  # noqa: E402
+from transformer.checkpoint import Checkpointer  # noqa: E402
+from transformer.model import ModelConfig  # noqa: E402
+from transformer.optim import OptimizerConfig, make_optimizer  # noqa: E402
+
+MODEL = ModelConfig(vocab_size=64, emb_dim=32, num_heads=4, num_encoder_layers=1, num_decoder_layers=1, mlp_dim=64,
+                    dropout_rate=0.1)
+MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 1, 1)]
+
+
+def make_batch(rows=8, length=12, seed=0):
+    rng = np.random.default_rng(seed)
+    inputs = rng.integers(3, 64, (rows, length)).astype(np.int32)
+    targets = rng.integers(3, 64, (rows, length)).astype(np.int32)
+    for row in range(rows):  # padded tails of different lengths
+        inputs[row, length - row:] = 0
+        targets[row, length - (row + 3) % length:] = 0
+    return {"inputs": inputs, "targets": targets}
+
+
+def setup(mesh_sizes, model=MODEL, num_microbatches=1):
+    mesh_config = sharding.MeshConfig(*mesh_sizes)
+    devices = jax.devices()[:int(np.prod(mesh_sizes))]
+    mesh = sharding.make_mesh(mesh_config, devices)
+    # Adam's first update is lr g / (|g| + eps), whose slope lr / (4 eps) at |g| ~ eps turns the rounding of another
+    # reduction order (~1e-9 on a gradient) into ~1e-5 on a parameter at the paper's eps=1e-9 (seen here even at 1e-6).
+    # eps=1e-3 keeps that slope near 1, so 1e-5 measures the sharding and accumulation, not that amplification.
+    optimizer, schedule = make_optimizer(OptimizerConfig(warmup_steps=10, adam_eps=1e-3), model.emb_dim)
+    shardings = trainer.state_shardings(model, optimizer, mesh, mesh_config)
+    batch_sharding = sharding.batch_sharding(mesh, mesh_config)
+    train, _ = trainer.make_steps(trainer.model_graphdef(model), optimizer, schedule,
+                                  trainer.TrainConfig(num_microbatches=num_microbatches), shardings, batch_sharding)
+    state = trainer.create_train_state(model, optimizer, seed=0, shardings=shardings)
+    return state, train, batch_sharding, shardings, optimizer
+
+
+@functools.cache
+def one_step(mesh_sizes, num_microbatches=1, dropout_rate=0.1):
+    model = dataclasses.replace(MODEL, dropout_rate=dropout_rate)
+    state, train, batch_sharding, _, _ = setup(mesh_sizes, model, num_microbatches)
+    born = jax.tree.map(lambda x: (x.sharding, x.addressable_shards[0].data.shape), state)  # before donation
+    state, metrics = train(state, sharding.place_batch(make_batch(), batch_sharding))
+    return jax.device_get(state.params), jax.device_get(metrics), born
+
+
+def assert_same_step(result, expected):
+    (params, metrics, _), (expected_params, expected_metrics, _) = result, expected
+    for key in ("loss", "nll", "correct", "denominator", "source_tokens", "grad_norm"):
+        np.testing.assert_allclose(metrics[key], expected_metrics[key], rtol=1e-5, err_msg=key)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(expected_params)):
+        np.testing.assert_allclose(a, b, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+def test_an_accumulated_step_on_2x2x2_equals_the_big_batch_on_one_device():
+    """The fast check (two compilations): sharding over data, fsdp and tensor, and accumulation over 2 slices."""
+    assert_same_step(one_step((2, 2, 2), num_microbatches=2, dropout_rate=0.0),
+                     one_step((1, 1, 1), dropout_rate=0.0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_sizes", MESHES[:3])
+def test_one_step_with_dropout_on_a_mesh_equals_one_device(mesh_sizes):
+    assert_same_step(one_step(mesh_sizes), one_step((1, 1, 1)))
+
+
+def test_parameters_and_moments_are_born_sharded_by_their_logical_names():
+    _, _, born = one_step((2, 2, 2), num_microbatches=2, dropout_rate=0.0)
+    kernel_sharding, kernel_shard = born.params["encoder_layers"][0]["feed_forward"]["hidden"]["kernel"]
+    assert kernel_sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")  # [embed, mlp]
+    assert kernel_shard == (16, 32)
+    table_sharding, _ = born.params["source_embedder"]["embedding"]["embedding"]  # [vocab, embed]
+    assert table_sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
+    moment_sharding, _ = born.opt_state[0].mu["encoder_layers"][0]["feed_forward"]["hidden"]["kernel"]
+    assert moment_sharding == kernel_sharding
+    assert born.step[0].is_fully_replicated
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_equals_the_big_batch():
+    model = dataclasses.replace(MODEL, dropout_rate=0.0)
+    results = []
+    for num_microbatches in (1, 4):
+        state, train, batch_sharding, _, _ = setup((2, 1, 1), model, num_microbatches)
+        state, metrics = train(state, sharding.place_batch(make_batch(), batch_sharding))
+        results.append((jax.device_get(state.params), jax.device_get(metrics)))
+    (big_params, big_metrics), (accumulated_params, accumulated_metrics) = results
+    for key in ("loss", "nll", "correct", "denominator", "source_tokens"):
+        np.testing.assert_allclose(accumulated_metrics[key], big_metrics[key], rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose(accumulated_metrics["grad_norm"], big_metrics["grad_norm"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(accumulated_params), jax.tree.leaves(big_params)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_a_checkpoint_saved_on_one_mesh_restores_onto_another(tmp_path):
+    state, _, _, _, optimizer = setup((2, 2, 2))
+    saver = Checkpointer(str(tmp_path / "checkpoints"), save_every_steps=1, keep=1, use_async=False)
+    saver.save(1, state)
+    saver.wait()
+    saver.close()
+    mesh_config = sharding.MeshConfig(1, 4, 2)
+    mesh = sharding.make_mesh(mesh_config)
+    shardings = trainer.state_shardings(MODEL, optimizer, mesh, mesh_config)
+    reader = Checkpointer(str(tmp_path / "checkpoints"), save_every_steps=1, keep=1, use_async=False, read_only=True)
+    restored = reader.restore(trainer.abstract_train_state(MODEL, optimizer, 0, shardings), 1)
+    reader.close()
+    for a, b, s in zip(jax.tree.leaves(restored), jax.tree.leaves(state), jax.tree.leaves(shardings)):
+        assert a.sharding == s
+        np.testing.assert_array_equal(jax.device_get(a), jax.device_get(b))
+    kernel = restored.params["decoder_layers"][0]["feed_forward"]["output"]["kernel"]  # [mlp, embed]
+    assert kernel.addressable_shards[0].data.shape == (32, 8)  # mlp / tensor 2, embed / fsdp 4
+
+
+@pytest.mark.slow
+def test_bfloat16_compute_keeps_float32_parameters_and_trains():
+    model = dataclasses.replace(MODEL, dtype="bfloat16")
+    state, train, batch_sharding, _, _ = setup((2, 2, 2), model)
+    batch = sharding.place_batch(make_batch(), batch_sharding)
+    losses = []
+    for _ in range(25):
+        state, metrics = train(state, batch)
+        losses.append(float(metrics["loss"] / metrics["denominator"]))
+    assert all(leaf.dtype == np.float32 for leaf in jax.tree.leaves(state.params))
+    assert all(leaf.dtype == np.float32 for leaf in jax.tree.leaves(state.opt_state) if leaf.ndim)
+    assert np.isfinite(losses).all() and losses[-1] < 0.7 * losses[0]

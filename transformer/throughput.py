@@ -1,0 +1,109 @@
+"""Model FLOPs (analytic) and peak FLOP/s of the devices, for the model-FLOPs utilization (MFU) in the logs
+and in scripts/benchmark.py.
+
+The count is the one of /work/shared/peers/bench_common.model_flops_per_step, so our MFU and the peers'
+mean the same thing. For one training step (backward = 2 x forward, hence the factors 6 and 12):
+
+  dense     = 6 x (matmul parameters x the tokens they see)
+              encoder layer: 4 d^2 (q, k, v, o) + 2 d d_ff               on source tokens
+              decoder layer: 4 d^2 (self) + 2 d^2 (cross q, o) + 2 d d_ff on target tokens
+                             + 2 d^2 (cross k, v)                         on source tokens
+  attention = 12 x d x (N_enc x encoder pairs + N_dec x (decoder pairs + cross pairs))
+              (QK^T and AV; a pair is a query and a key of the same sentence; causal self-attention counts
+              the full square, since the dense masked matrix is computed; an unpadded batch has B S^2 ... pairs)
+  output    = 6 x vocab x d x target tokens                               (the pre-softmax projection)
+
+Embedding lookups, LayerNorm, softmax, dropout, the loss and the optimizer are not counted. Tokens and
+pairs are the real (non-padding) ones of the batch, so a packed batch counts its sentences, not its rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import jax
+import numpy as np
+
+from transformer.model import ModelConfig
+
+# Dense bf16 peak FLOP/s per chip from the vendors' data sheets (no sparsity); float32 matmuls on GPUs run on
+# TF32 tensor cores at half these. Matched by substring of jax.Device.device_kind, first hit wins.
+PEAK_BF16_FLOPS = (
+    ("H200", 989e12), ("H100", 989e12), ("GH200", 989e12), ("A100", 312e12), ("A10G", 125e12), ("L4", 121e12),
+    ("V100", 125e12), ("TPU v6", 918e12), ("TPU v5p", 459e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12),
+    ("TPU v5", 459e12), ("TPU v4", 275e12), ("TPU v3", 123e12), ("TPU v2", 45e12),
+)
+CACHE_FILE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "transformer",
+                          "cpu_peak_flops.json")
+
+
+def model_flops(config: ModelConfig, *, source_tokens: float, target_tokens: float, encoder_pairs: float,
+                decoder_pairs: float, cross_pairs: float) -> float:
+    """Training FLOPs (forward + backward) of the formula in the module docstring."""
+    d, ff, vocab = config.emb_dim, config.mlp_dim, config.vocab_size
+    encoder_layer = 4 * d * d + 2 * d * ff
+    decoder_on_targets = 4 * d * d + 2 * d * d + 2 * d * ff
+    decoder_on_sources = 2 * d * d
+    dense = 6 * (config.num_encoder_layers * encoder_layer * source_tokens
+                 + config.num_decoder_layers * (decoder_on_targets * target_tokens + decoder_on_sources * source_tokens))
+    attention = 12 * d * (config.num_encoder_layers * encoder_pairs
+                          + config.num_decoder_layers * (decoder_pairs + cross_pairs))
+    output = 6 * vocab * d * target_tokens
+    return float(dense + attention + output)
+
+
+def model_flops_of_shape(config: ModelConfig, batch: int, source_length: int, target_length: int) -> float:
+    """model_flops of a batch with no padding: batch rows of source_length and target_length tokens."""
+    return model_flops(config, source_tokens=batch * source_length, target_tokens=batch * target_length,
+                       encoder_pairs=batch * source_length**2, decoder_pairs=batch * target_length**2,
+                       cross_pairs=batch * source_length * target_length)
+
+
+def measure_matmul_flops(size: int = 4096, repeats: int = 5) -> float:
+    """The median FLOP/s of a jitted float32 size^3 matmul on the default device (the peers' peak_matmul.py)."""
+    matmul = jax.jit(lambda a, b: a @ b)
+    a = jax.random.normal(jax.random.PRNGKey(0), (size, size), np.float32)
+    b = jax.random.normal(jax.random.PRNGKey(1), (size, size), np.float32)
+    matmul(a, b).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a, b).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return 2.0 * size**3 / float(np.median(times))
+
+
+def cpu_peak_flops(cache_file: str = CACHE_FILE) -> float:
+    """A measured float32 matmul peak of this CPU (2048^3, ~5 s the first time), cached per machine and JAX
+    version, since no table knows a CPU's FLOP/s under its thread count and load."""
+    key = f"{platform.node()}|{platform.processor() or platform.machine()}|{os.cpu_count()}|jax {jax.__version__}"
+    try:
+        with open(cache_file, encoding="utf-8") as handle:
+            cached = json.load(handle)
+        if cached.get("key") == key:
+            return float(cached["peak_flops"])
+    except (OSError, ValueError, KeyError):
+        pass
+    peak = measure_matmul_flops(2048, repeats=5)
+    try:
+        os.makedirs(os.path.dirname(cache_file), exist_ok=True)
+        with open(cache_file, "w", encoding="utf-8") as handle:
+            json.dump({"key": key, "peak_flops": peak}, handle)
+    except OSError:
+        pass  # a read-only home only costs the measurement next time
+    return peak
+
+
+def device_peak_flops(device: jax.Device | None = None, dtype: str = "bfloat16") -> float | None:
+    """Peak FLOP/s of one device: the table for accelerators (halved for float32), the cached measurement on
+    CPU; None for an accelerator the table does not know (MFU is then not logged)."""
+    device = device or jax.devices()[0]
+    if device.platform == "cpu":
+        return cpu_peak_flops()
+    for kind, flops in PEAK_BF16_FLOPS:
+        if kind.lower() in device.device_kind.lower():
+            return flops if dtype == "bfloat16" else flops / 2
+    return None
