@@ -1,6 +1,7 @@
 """End to end: train.py then eval.py as a user runs them; resume equals an uninterrupted run; bad input fails
 before anything in the workdir is replaced."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -10,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 from tiny import TINY_OVERRIDES, make_tiny_config, tree_digest
-from transformer import trainer
+from transformer import decode, trainer
 from transformer.checkpoint import CheckpointMismatchError
 from transformer.sources import DataError
 from transformer.tokenizer import VocabularyError
@@ -143,3 +144,70 @@ def test_misaligned_and_empty_text_files_are_named(tmp_path):
     (corpus / "valid.en").write_text("")
     with pytest.raises(DataError, match="empty"):
         trainer.Run(config, str(tmp_path / "w"))
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_eval_averages_checkpoints_with_beam_search_and_writes_all_scores(trained_workdir):
+    workdir, _ = trained_workdir
+    result = run_script("eval.py", f"--workdir={workdir}", "--split=valid", "--average_last=2", "--beam_size=2",
+                        "--alpha=0.6")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "averaged the parameters of steps [3, 6]" in result.stdout and "paper BLEU" in result.stdout
+    scores = json.loads((workdir / "eval" / "scores.avg2_step6.json").read_text())[0]
+    assert scores["averaged_steps"] == [3, 6] and scores["beam_size"] == 2 and scores["sentences"] == 64
+    assert scores["chrf_signature"].startswith("nrefs:1") and "##AT##" in scores["paper_bleu_method"]
+    assert scores["tokens_per_second"] > 0 and scores["sentences_per_second"] > 0
+    assert len((workdir / "eval" / "valid.avg2_step6.txt").read_text().splitlines()) == 64
+    expected = [(a + b) / 2 for a, b in zip(jax.tree.leaves(trainer.restore(str(workdir), 3).params),
+                                            jax.tree.leaves(trainer.restore(str(workdir), 6).params))]
+    averaged = trainer.restore(str(workdir), average_last=2)
+    for a, b in zip(jax.tree.leaves(averaged.params), expected):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_averaging_more_checkpoints_than_kept_or_an_empty_workdir_fails_clearly(trained_workdir, tmp_path):
+    workdir, _ = trained_workdir
+    with pytest.raises(ValueError, match=r"average the last 3 checkpoints up to step 6, but .* holds only 2 "
+                                         r"\(steps \[3, 6\]\)"):
+        trainer.restore(str(workdir), average_last=3)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text((workdir / "config.json").read_text())
+    (empty / "checkpoints").mkdir()
+    with pytest.raises(FileNotFoundError, match="no checkpoint in"):
+        trainer.restore(str(empty))
+    with pytest.raises(FileNotFoundError, match="best_checkpoint does not exist"):
+        trainer.restore(str(workdir), best=True)
+
+
+def test_the_averaging_script_writes_a_workdir_that_restores_to_the_average(trained_workdir, tmp_path):
+    workdir, _ = trained_workdir
+    script = load_script("average_checkpoints")
+    assert script.write_averaged_workdir(str(workdir), str(tmp_path / "avg"), 2) == [3, 6]
+    restored, expected = trainer.restore(str(tmp_path / "avg")), trainer.restore(str(workdir), average_last=2)
+    assert restored.step == 6
+    for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(expected.params)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(FileExistsError, match="not empty"):
+        script.write_averaged_workdir(str(workdir), str(tmp_path / "avg"), 2)
+
+
+def test_translate_cli_round_trip(trained_workdir, tmp_path):
+    workdir, _ = trained_workdir
+    lines = ["The black cat sleeps in the garden.", "", "Two wolves are sad.", "The cat sleeps."]
+    command = [sys.executable, "-m", "transformer.translate", f"--workdir={workdir}", "--batch_size=3",
+               "--beam_size=2"]
+    result = subprocess.run(command, input="\n".join(lines) + "\n", capture_output=True, text=True, cwd=ROOT,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout.split("\n")
+    assert len(output) == 5 and output[1] == "" and output[4] == ""  # aligned; the empty line stays empty
+    restored = trainer.restore(str(workdir), decode_overrides={"beam_size": 2})
+    expected = decode.translate(restored.search_fn(), restored.params, restored.tokenizer, lines, 3)
+    assert output[:4] == expected
