@@ -82,3 +82,13 @@ def test_averaging_checkpoints_of_different_shapes_names_the_step_and_array(tmp_
     with pytest.raises(CheckpointMismatchError, match=r"cannot average step 2: .*params/.*has shape .*32"):
         checkpointer.average(abstract_like(state_for(16)), [1, 2])
     checkpointer.close()
+
+
+def test_a_best_metric_checkpointer_keeps_the_highest_score(tmp_path):
+    state = state_for(16)
+    checkpointer = Checkpointer(str(tmp_path), save_every_steps=1, keep=1, best_metric="valid_bleu")
+    for step, score in ((1, 5.0), (2, 9.0), (3, 7.0)):
+        checkpointer.save(step, state, metrics={"valid_bleu": score})
+    checkpointer.wait()
+    assert checkpointer.all_steps() == [2] and checkpointer.best_step() == 2
+    checkpointer.close()

@@ -28,7 +28,8 @@ def run_script(script, *args):
 def trained_workdir(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("run") / "demo"
     overrides = [f"--config.{key}={value}" for key, value in TINY_OVERRIDES.items()]
-    result = run_script("train.py", f"--workdir={workdir}", *overrides)
+    best = ["--config.train.keep_best_checkpoint=true", "--config.train.bleu_every_steps=3"]
+    result = run_script("train.py", f"--workdir={workdir}", *overrides, *best)
     assert result.returncode == 0, result.stderr[-3000:]
     return workdir, result.stdout
 
@@ -211,3 +212,13 @@ def test_translate_cli_round_trip(trained_workdir, tmp_path):
     restored = trainer.restore(str(workdir), decode_overrides={"beam_size": 2})
     expected = decode.translate(restored.search_fn(), restored.params, restored.tokenizer, lines, 3)
     assert output[:4] == expected
+
+
+def test_the_best_checkpoint_is_chosen_by_dev_bleu(trained_workdir):
+    workdir, _ = trained_workdir
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    valid = {r["step"]: r["bleu"] for r in records if r["split"] == "valid_bleu"}
+    assert sorted(valid) == [3, 6]  # test BLEU is logged too, but never chooses
+    assert len(os.listdir(workdir / "best_checkpoint")) == 1
+    restored = trainer.restore(str(workdir), best=True)
+    assert restored.best and restored.name == f"best_step{restored.step}" and valid[restored.step] == max(valid.values())
