@@ -222,3 +222,18 @@ def test_the_best_checkpoint_is_chosen_by_dev_bleu(trained_workdir):
     assert len(os.listdir(workdir / "best_checkpoint")) == 1
     restored = trainer.restore(str(workdir), best=True)
     assert restored.best and restored.name == f"best_step{restored.step}" and valid[restored.step] == max(valid.values())
+
+
+def test_the_plot_script_writes_pngs_of_attention_rows_that_sum_to_one(trained_workdir, tmp_path):
+    workdir, _ = trained_workdir
+    script = load_script("plot_attention")
+    maps = script.plot_attention(trainer.restore(str(workdir)), "The black cat sleeps.", str(tmp_path))
+    for name in ("cross_attention.png", "decoder_self_attention.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = np.load(tmp_path / "attention.npz")
+    source, target = len(saved["source_tokens"]), len(saved["target_tokens"])
+    assert saved["cross"].shape == (1, 2, target, source) and saved["decoder_self"].shape == (1, 2, target, target)
+    np.testing.assert_allclose(saved["cross"].sum(-1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(saved["decoder_self"].sum(-1), 1.0, rtol=1e-5)
+    assert np.all(np.triu(saved["decoder_self"], k=1) == 0)  # causal: no target token sees a later one
+    assert maps["source_tokens"][-1] == "</s>"
