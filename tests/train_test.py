@@ -184,7 +184,7 @@ def test_averaging_more_checkpoints_than_kept_or_an_empty_workdir_fails_clearly(
     with pytest.raises(FileNotFoundError, match="no checkpoint in"):
         trainer.restore(str(empty))
     with pytest.raises(FileNotFoundError, match="best_checkpoint does not exist"):
-        trainer.restore(str(workdir), best=True)
+        trainer.restore(str(empty), best=True)
 
 
 def test_the_averaging_script_writes_a_workdir_that_restores_to_the_average(trained_workdir, tmp_path):
