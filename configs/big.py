@@ -15,4 +15,5 @@ def get_config():
     config.model.dropout_rate = 0.3
     config.train.num_train_steps = 300_000
     config.train.keep_checkpoints = 20  # the paper averages the last 20 checkpoints of big
+    config.decode.average_last = 20
     return config

@@ -75,6 +75,7 @@ def get_config() -> ml_collections.ConfigDict:
     train.checkpoint_every_steps = 250  # save a checkpoint every N steps (and always at the end)
     train.keep_checkpoints = 3  # keep the last K checkpoints
     train.async_checkpointing = True  # save in the background while training goes on
+    train.keep_best_checkpoint = False  # also keep the best-dev-BLEU checkpoint in workdir/best_checkpoint (valid only)
     train.num_microbatches = 1  # gradient accumulation: split each batch into N sequential slices, one update
     train.dropout_rng = "threefry2x32"  # threefry2x32 (same masks on any mesh) | rbg | unsafe_rbg (cheaper on CPU)
 
@@ -90,6 +91,12 @@ def get_config() -> ml_collections.ConfigDict:
     decode.batch_size = 256  # sentences per decoding batch
     decode.max_extra_length = 50  # output may be up to input length + this many tokens (the paper's +50)
     decode.bleu_splits = "valid,test"  # comma-separated splits decoded and scored at the end of training
+    decode.beam_size = 1  # 1 = greedy search (fast; the quick start's choice); base/big use the paper's 4
+    decode.alpha = 0.6  # GNMT length penalty ((5 + length) / 6)^alpha of beam search (the paper's 0.6)
+    decode.early_stopping = True  # a sentence stops once no live beam can beat its finished ones
+    decode.temperature = 0.0  # > 0: sample from softmax(logits / temperature) instead of searching (research use)
+    decode.top_k = 0  # with temperature > 0: sample among the k most likely tokens only (0 = all)
+    decode.average_last = 0  # eval.py averages the parameters of the last N checkpoints (0 or 1: no averaging)
     return config
 
 

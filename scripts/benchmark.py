@@ -7,6 +7,14 @@
         --config.model.dtype=bfloat16 --output=runs/bench.jsonl
     # lower and compile only: memory per device for a mesh, before the job starts
     PYTHONPATH=. python scripts/benchmark.py --compile_only --config=configs/big.py --config.mesh.fsdp=8
+    # beam-4 decoding speed, and the speed-up of caching cross-attention keys/values
+    PYTHONPATH=. python scripts/benchmark.py --mode=decode --shape=small
+
+--mode=decode: beam search of `--batch` random source sentences of `--source_length` tokens, every sentence
+decoding exactly `--new_tokens` tokens (early stopping off, as the peers' `generate(eos_token_id=None)`), in
+float32; reports sentences/s and new tokens/s (batch * new_tokens / time, as the peers count them), and the
+speed-up of caching the cross-attention keys/values against recomputing them at every step (flax
+examples/wmt's way). Median of --repeats timed runs after one compiling run.
 
 Batches are synthetic: every row holds `source_length` / `target_length` random non-padding tokens (no
 packing), like the peers' harness (/work/shared/peers/hf_throughput.py). Model FLOPs are
@@ -42,7 +50,7 @@ from ml_collections import config_flags  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.py")
 config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Config file (any field overridable).", lock_config=True)
-flags.DEFINE_enum("mode", "train", ["train"], "What to benchmark.")
+flags.DEFINE_enum("mode", "train", ["train", "decode"], "What to benchmark.")
 flags.DEFINE_bool("compile_only", False, "Only lower and compile the train step; report memory per device.")
 flags.DEFINE_enum("shape", None, ["small", "base"], "The peers' shapes (bench_common.CONFIGS): set the model, "
                   "vocabulary, dropout 0.1 and batch; overrides the config's model fields.")
@@ -54,6 +62,10 @@ flags.DEFINE_integer("steps", 25, "Timed steps; the median is reported.")
 flags.DEFINE_integer("warmup", 3, "Untimed steps after compilation.")
 flags.DEFINE_integer("peak_size", 4096, "CPU: size of the float32 matmul whose FLOP/s is the MFU peak.")
 flags.DEFINE_bool("hugepages", True, "Re-run under GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (see above).")
+flags.DEFINE_integer("new_tokens", 40, "decode: tokens decoded per sentence (no early stop).")
+flags.DEFINE_integer("beam_size", 4, "decode: beam size.")
+flags.DEFINE_integer("repeats", 3, "decode: timed runs (the median is reported).")
+flags.DEFINE_bool("compare_recompute", True, "decode: also time recomputing cross-attention keys/values per step.")
 flags.DEFINE_string("output", "", "Append the result as one JSON line to this file.")
 
 # The peers' shapes (/work/shared/peers/bench_common.CONFIGS), with their dropout 0.1 on embeddings and sublayers.
@@ -75,7 +87,9 @@ def apply_shape(config, shape: str | None) -> dict:
             config.model[key] = value
         config.model.dropout_rate = 0.1
         config.model.share_embeddings = config.model.tie_output_embedding = True
-        sizes.update({k: v for k, v in preset.items() if k != "model"})
+        # Decoding is measured on 64 sentences at both shapes (the peers' decode batch); training on the preset's.
+        keep = ("model", "batch") if flags.FLAGS.mode == "decode" else ("model",)
+        sizes.update({k: v for k, v in preset.items() if k not in keep})
     return sizes
 
 
@@ -192,6 +206,69 @@ def run_train(config, sizes: dict, *, steps: int, warmup: int, peak_size: int) -
     return result
 
 
+def timed(fn, repeats: int) -> tuple[float, list[float]]:
+    """(seconds of the first, compiling, call; seconds of each of `repeats` further calls)."""
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return first, times
+
+
+def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats: int, compare_recompute: bool
+               ) -> dict:
+    """Beam search of random sentences on a random-init model of the config's shape, float32, one device."""
+    import functools
+    import statistics
+
+    from flax import nnx
+
+    from transformer import trainer
+    from transformer.decode import beam_search
+    from transformer.model import Transformer
+
+    batch, source_length = sizes["batch"], sizes["source_length"]
+    if new_tokens < source_length:
+        raise app.UsageError(f"--new_tokens={new_tokens} must be >= --source_length={source_length}: "
+                             "an output may have at most source length + max_extra_length tokens")
+    with config.unlocked():
+        config.model.dtype, config.model.dropout_rate = "float32", 0.0
+    config = trainer.Settings.from_config(config).model_config(sizes["vocab_size"])
+    graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+    params = nnx.to_pure_dict(params)
+    inputs = np.random.default_rng(1).integers(3, config.vocab_size, size=(batch, source_length)).astype(np.int32)
+    # Every sentence may produce source_length + max_extra_length = new_tokens tokens, and without early stopping
+    # every sentence runs to that limit.
+    max_extra_length = new_tokens - source_length
+    result = dict(mode="decode", shape=flags.FLAGS.shape, batch=batch, source_length=source_length,
+                  new_tokens=new_tokens, beam_size=beam_size, dtype="float32", backend=jax.default_backend(),
+                  devices=str(jax.devices()), jax=jax.__version__,
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  model={key: getattr(config, key) for key in ("emb_dim", "num_heads", "num_encoder_layers",
+                                                               "num_decoder_layers", "mlp_dim", "vocab_size")})
+    variants = {"cached": False, "recomputed": True} if compare_recompute else {"cached": False}
+    for name, recompute in variants.items():
+        search = jax.jit(functools.partial(beam_search, graphdef=graphdef, beam_size=beam_size, alpha=0.6,
+                                           max_extra_length=max_extra_length, early_stopping=False,
+                                           recompute_cross_attention=recompute))
+        first, times = timed(lambda: search(params, inputs)[0], repeats)
+        sequences = np.asarray(search(params, inputs)[0][:, 0])
+        median = statistics.median(times)
+        result[name] = dict(first_call_seconds=first, seconds=times, median_seconds=median,
+                            sentences_per_second=batch / median, tokens_per_second=batch * new_tokens / median,
+                            decoded_length=int(np.max(np.sum(sequences != 0, axis=1))))
+        print(f"{name}: {batch / median:.1f} sentences/s, {batch * new_tokens / median:.0f} tokens/s "
+              f"(median of {[round(t, 3) for t in times]} s; first call {first:.1f} s)", flush=True)
+    if compare_recompute:
+        result["cached_speedup"] = result["recomputed"]["median_seconds"] / result["cached"]["median_seconds"]
+        print(f"caching cross-attention keys/values is {result['cached_speedup']:.2f}x faster", flush=True)
+    return result
+
+
 def print_table(result: dict) -> None:
     rows = [("mode", result["mode"]), ("device", f"{result['devices']} x {result['device_kind']}"),
             ("mesh", result["mesh"]), ("batch", f"{result['batch']} x {result['source_length']} x "
@@ -223,12 +300,16 @@ def main(argv):
     config = flags.FLAGS.config
     with config.unlocked():
         sizes = apply_shape(config, flags.FLAGS.shape)
-    if flags.FLAGS.compile_only:
+    if flags.FLAGS.mode == "decode":
+        result = run_decode(config, sizes, new_tokens=flags.FLAGS.new_tokens, beam_size=flags.FLAGS.beam_size,
+                            repeats=flags.FLAGS.repeats, compare_recompute=flags.FLAGS.compare_recompute)
+    elif flags.FLAGS.compile_only:
         result = run_compile_only(config, sizes)
     else:
         result = run_train(config, sizes, steps=flags.FLAGS.steps, warmup=flags.FLAGS.warmup,
                            peak_size=flags.FLAGS.peak_size)
-    print_table(result)
+    if result["mode"] != "decode":
+        print_table(result)
     if flags.FLAGS.output:
         os.makedirs(os.path.dirname(os.path.abspath(flags.FLAGS.output)), exist_ok=True)
         with open(flags.FLAGS.output, "a", encoding="utf-8") as handle:

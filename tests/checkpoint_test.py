@@ -1,3 +1,5 @@
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from transformer.trainer import create_train_state
 SHAPES = dict(vocab_size=30, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, mlp_dim=32)
 
 
+@functools.lru_cache(maxsize=None)  # states are immutable; each build compiles an init
 def state_for(emb_dim, seed=0):
     optimizer, _ = make_optimizer(OptimizerConfig(), emb_dim)
     return create_train_state(ModelConfig(emb_dim=emb_dim, **SHAPES), optimizer, seed)
@@ -48,3 +51,44 @@ def test_a_checkpoint_of_another_shape_fails_clearly_and_is_untouched(tmp_path):
         checkpointer.restore(abstract_like(state_for(32)))
     checkpointer.close()
     assert tree_digest(tmp_path) == before
+
+
+def test_averaging_gives_the_mean_of_the_saved_params_and_the_last_state(tmp_path):
+    base = state_for(16)
+    rng = np.random.default_rng(0)
+    saved = {}
+    checkpointer = Checkpointer(str(tmp_path), save_every_steps=1, keep=5)
+    for step in (1, 2, 3):
+        params = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), base.params)
+        saved[step] = params
+        checkpointer.save(step, base.replace(step=np.int32(step), params=params))
+    checkpointer.wait()
+    averaged = checkpointer.average(abstract_like(base), [2, 3])
+    assert int(averaged.step) == 3
+    expected = jax.tree.map(lambda a, b: (a + b) / 2, saved[2], saved[3])
+    for a, b in zip(jax.tree.leaves(averaged.params), jax.tree.leaves(expected)):
+        assert a.dtype == np.float32
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint for step\(s\) \[7\]"):
+        checkpointer.average(abstract_like(base), [3, 7])
+    checkpointer.close()
+
+
+def test_averaging_checkpoints_of_different_shapes_names_the_step_and_array(tmp_path):
+    checkpointer = Checkpointer(str(tmp_path), save_every_steps=1, keep=5)
+    checkpointer.save(1, state_for(16))
+    checkpointer.save(2, state_for(32))
+    checkpointer.wait()
+    with pytest.raises(CheckpointMismatchError, match=r"cannot average step 2: .*params/.*has shape .*32"):
+        checkpointer.average(abstract_like(state_for(16)), [1, 2])
+    checkpointer.close()
+
+
+def test_a_best_metric_checkpointer_keeps_the_highest_score(tmp_path):
+    state = state_for(16)
+    checkpointer = Checkpointer(str(tmp_path), save_every_steps=1, keep=1, best_metric="valid_bleu")
+    for step, score in ((1, 5.0), (2, 9.0), (3, 7.0)):
+        checkpointer.save(step, state, metrics={"valid_bleu": score})
+    checkpointer.wait()
+    assert checkpointer.all_steps() == [2] and checkpointer.best_step() == 2
+    checkpointer.close()

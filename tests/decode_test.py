@@ -1,4 +1,5 @@
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -6,17 +7,26 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from transformer.decode import greedy_search
+from transformer.decode import NEG_INF, beam_search, greedy_search, length_penalty, make_search
 from transformer.model import ModelConfig, Transformer
+from transformer.steps import shift_right
 from transformer.tokenizer import EOS_ID
+
+
+jitted_beam_search = jax.jit(beam_search, static_argnames=(
+    "graphdef", "beam_size", "alpha", "max_extra_length", "early_stopping", "recompute_cross_attention"))
+
+
+def build(vocab_size, seed, **shapes):
+    config = ModelConfig(vocab_size=vocab_size, emb_dim=32, num_heads=4, num_encoder_layers=1, num_decoder_layers=2,
+                         mlp_dim=64, **shapes)
+    graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(seed)))
+    return graphdef, nnx.to_pure_dict(params)
 
 
 @pytest.fixture(scope="module")
 def model_and_search():
-    config = ModelConfig(vocab_size=20, emb_dim=32, num_heads=4, num_encoder_layers=1, num_decoder_layers=2,
-                         mlp_dim=64)
-    graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(3)))
-    params = nnx.to_pure_dict(params)
+    graphdef, params = build(20, 3)
     search = jax.jit(functools.partial(greedy_search, graphdef=graphdef, max_extra_length=6))
     return graphdef, params, search
 
@@ -24,19 +34,51 @@ def model_and_search():
 INPUTS = jnp.array([[4, 5, 6, 1, 0, 0, 0, 0], [7, 8, 9, 10, 11, 1, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0]])
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def teacher_forced_log_probs(graphdef, params, inputs, outputs):
+    """Sum of log P(token) of each row of outputs [rows, length] up to its first EOS (token 0 before it counts)."""
+    model = nnx.merge(graphdef, params)
+    log_probs = jax.nn.log_softmax(model(inputs, shift_right(outputs)))
+    picked = jnp.take_along_axis(log_probs, outputs[..., None], axis=-1)[..., 0]
+    before_eos = jnp.cumsum(outputs == EOS_ID, axis=-1) - (outputs == EOS_ID) == 0
+    return jnp.sum(jnp.where(before_eos, picked, 0.0), axis=-1)
+
+
+def length_of(tokens):
+    return int(np.argmax(tokens == EOS_ID)) + 1 if EOS_ID in tokens else len(tokens)
+
+
+def test_cached_incremental_logits_equal_the_teacher_forced_pass(model_and_search):
+    graphdef, params, _ = model_and_search
+    decoder_inputs = jnp.array([[0, 5, 9, 3, 12, 7], [0, 17, 2, 2, 8, 4], [0, 1, 1, 1, 1, 1]])
+
+    @jax.jit
+    def both(params):
+        model = nnx.merge(graphdef, params)
+        cache = model.init_cache(model.encode(INPUTS), decoder_inputs.shape[1])
+        steps = []
+        for index in range(decoder_inputs.shape[1]):
+            logits, cache = model.decode_step(decoder_inputs[:, index], jnp.int32(index), cache, INPUTS)
+            steps.append(logits)
+        return jnp.stack(steps, axis=1), model(INPUTS, decoder_inputs)
+    incremental, full = both(params)
+    np.testing.assert_allclose(incremental[:2], full[:2], atol=1e-5, rtol=1e-5)
+
+
 def test_greedy_output_is_the_argmax_of_the_teacher_forced_pass(model_and_search):
     graphdef, params, search = model_and_search
     outputs = np.asarray(search(params, INPUTS))
     assert outputs.shape == (3, 14)
     assert not outputs[2].any()  # an all-padding row is finished from the start
-    model = nnx.merge(graphdef, params)
-    for row in range(2):
+    model_logits = jax.jit(lambda params, inputs, decoder_inputs: nnx.merge(graphdef, params)(inputs, decoder_inputs))
+    for row, limit in ((0, 4 + 6), (1, 6 + 6)):  # real input length + max_extra_length
         tokens = outputs[row]
-        length = int(np.argmax(tokens == EOS_ID)) + 1 if EOS_ID in tokens else len(tokens)
-        assert not tokens[length:].any()  # nothing after EOS
+        length = length_of(tokens)
+        assert tokens[length - 1] == EOS_ID and length <= limit and not tokens[length:].any()
         decoder_inputs = jnp.asarray(np.concatenate([[0], tokens[:length - 1]]))[None]
-        logits = model(INPUTS[row:row + 1], decoder_inputs)
-        np.testing.assert_array_equal(np.argmax(logits[0], axis=-1), tokens[:length])
+        argmax = np.argmax(model_logits(params, INPUTS[row:row + 1], decoder_inputs)[0], axis=-1)
+        forced = length == limit  # the last allowed position may only hold EOS
+        np.testing.assert_array_equal(argmax[:length - forced], tokens[:length - forced])
 
 
 def test_greedy_search_does_not_depend_on_batch_neighbours(model_and_search):
@@ -44,3 +86,107 @@ def test_greedy_search_does_not_depend_on_batch_neighbours(model_and_search):
     together = np.asarray(search(params, INPUTS))
     alone = np.asarray(search(params, jnp.concatenate([INPUTS[1:2], jnp.zeros_like(INPUTS[:2])])))
     np.testing.assert_array_equal(alone[0], together[1])
+
+
+def test_length_penalty_is_gnmt_formula_and_reorders_hypotheses():
+    assert float(length_penalty(1, 0.6)) == pytest.approx(1.0)
+    assert float(length_penalty(7, 0.6)) == pytest.approx(2.0 ** 0.6)
+    assert float(length_penalty(25, 1.0)) == pytest.approx(5.0)
+    # A short (-2.0, 2 tokens) and a long (-2.4, 8 tokens) hypothesis: the short wins without a penalty,
+    # the long one from alpha = log(2.4/2) / log(13/7) = 0.294 on.
+    short, long = (-2.0, 2), (-2.4, 8)
+    def winner(alpha):
+        return max((short, long), key=lambda h: h[0] / float(length_penalty(h[1], alpha)))
+    assert winner(0.0) == short and winner(0.28) == short and winner(0.31) == long and winner(0.6) == long
+
+
+# Exhaustive search: vocabulary {0, EOS, 2, 3}; a sentence of n tokens may produce n + 1 tokens, so the
+# longest output has 4 tokens and 27 prefixes of 3 non-EOS tokens: 27 beams keep every prefix alive, and beam
+# search must then return exactly the 27 best of all 40 complete outputs.
+TINY_INPUTS = jnp.array([[2, 1, 0], [3, 2, 1], [0, 0, 0]])
+TINY_BEAMS, TINY_EXTRA = 27, 1
+
+
+def all_outputs(limit, vocab_size=4):
+    """Every token sequence that ends with its first EOS within `limit` tokens, padded to limit."""
+    non_eos = [t for t in range(vocab_size) if t != EOS_ID]
+    return np.array([list(prefix) + [EOS_ID] + [0] * (limit - 1 - len(prefix))
+                     for n in range(limit) for prefix in itertools.product(non_eos, repeat=n)], np.int32)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return build(4, 0)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 3.0])
+def test_beam_search_equals_exhaustive_search(tiny_model, alpha):
+    graphdef, params = tiny_model
+    sequences, scores = jitted_beam_search(params, TINY_INPUTS, graphdef=graphdef, beam_size=TINY_BEAMS, alpha=alpha,
+                                    max_extra_length=TINY_EXTRA)
+    assert sequences.shape == (3, TINY_BEAMS, 4) and not np.asarray(sequences[2]).any()
+    for row in range(2):
+        limit = int(np.sum(TINY_INPUTS[row] != 0)) + TINY_EXTRA
+        candidates = all_outputs(limit)
+        inputs = jnp.repeat(TINY_INPUTS[row:row + 1, :], len(candidates), axis=0)
+        lengths = np.array([length_of(c) for c in candidates])
+        exhaustive = np.asarray(teacher_forced_log_probs(graphdef, params, inputs, jnp.asarray(candidates)))
+        exhaustive = exhaustive / np.asarray(length_penalty(lengths, alpha))
+        order = np.argsort(-exhaustive, kind="stable")[:TINY_BEAMS]
+        count = len(order)  # the 3-token row has 13 possible outputs: the other slots stay empty
+        np.testing.assert_allclose(scores[row, :count], exhaustive[order], rtol=1e-5, atol=1e-5)
+        assert np.all(np.asarray(scores[row, count:]) <= NEG_INF / 2)
+        found = np.asarray(sequences[row, :count, :limit])
+        np.testing.assert_array_equal(found[0], candidates[order[0]])
+        assert {tuple(s) for s in found} == {tuple(c) for c in candidates[order]}
+
+
+def test_alpha_moves_the_exhaustive_winner_towards_longer_outputs(tiny_model):
+    graphdef, params = tiny_model
+    lengths = []
+    for alpha in (0.0, 3.0):
+        sequences, _ = jitted_beam_search(params, TINY_INPUTS, graphdef=graphdef, beam_size=TINY_BEAMS, alpha=alpha,
+                                   max_extra_length=TINY_EXTRA)
+        lengths.append([length_of(np.asarray(s)) for s in sequences[:2, 0]])
+    assert all(b >= a for a, b in zip(*lengths)) and lengths[0] != lengths[1], lengths
+
+
+def test_beam_scores_equal_teacher_forced_log_probs_over_the_reordered_cache(model_and_search):
+    graphdef, params, _ = model_and_search
+    sequences, scores = jitted_beam_search(params, INPUTS, graphdef=graphdef, beam_size=4, alpha=0.6, max_extra_length=6)
+    assert np.all(np.asarray(scores[:2]) > NEG_INF / 2) and np.all(np.diff(np.asarray(scores[:2]), axis=1) <= 0)
+    for row in range(2):
+        outputs = sequences[row]
+        lengths = np.array([length_of(np.asarray(s)) for s in outputs])
+        log_probs = teacher_forced_log_probs(graphdef, params, jnp.repeat(INPUTS[row:row + 1], 4, axis=0), outputs)
+        np.testing.assert_allclose(scores[row], log_probs / length_penalty(lengths, 0.6), rtol=1e-5, atol=1e-5)
+
+
+def test_one_beam_without_length_penalty_is_greedy_search(model_and_search):
+    graphdef, params, search = model_and_search
+    sequences, _ = jitted_beam_search(params, INPUTS, graphdef=graphdef, beam_size=1, alpha=0.0, max_extra_length=6)
+    np.testing.assert_array_equal(sequences[:, 0], search(params, INPUTS))
+    beam_one = make_search(graphdef, max_extra_length=6, beam_size=1, alpha=0.6)
+    np.testing.assert_array_equal(beam_one(params, INPUTS), search(params, INPUTS))
+
+
+def test_beam_search_without_early_stopping_gives_the_same_best(model_and_search):
+    graphdef, params, _ = model_and_search
+    kw = dict(graphdef=graphdef, beam_size=3, alpha=0.6, max_extra_length=6)
+    early, early_scores = jitted_beam_search(params, INPUTS, **kw)
+    full, full_scores = jitted_beam_search(params, INPUTS, early_stopping=False, **kw)
+    recomputed, _ = jitted_beam_search(params, INPUTS, early_stopping=False, recompute_cross_attention=True, **kw)
+    np.testing.assert_array_equal(early, full)
+    np.testing.assert_allclose(early_scores, full_scores, rtol=1e-6)
+    np.testing.assert_array_equal(recomputed, full)
+
+
+def test_sampling_is_seeded_and_top_k_one_is_greedy(model_and_search):
+    graphdef, params, search = model_and_search
+    def sampler(seed, **kw):
+        return make_search(graphdef, max_extra_length=6, temperature=1.0, seed=seed, **kw)
+    np.testing.assert_array_equal(sampler(0, top_k=1)(params, INPUTS), search(params, INPUTS))
+    seed_0, seed_1 = sampler(0), sampler(1)
+    first = np.asarray(seed_0(params, INPUTS))
+    np.testing.assert_array_equal(seed_0(params, INPUTS), first)
+    assert (np.asarray(seed_1(params, INPUTS)) != first).any() and not first[2].any()

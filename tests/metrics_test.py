@@ -3,7 +3,7 @@ import json
 import pytest
 import sacrebleu
 
-from transformer.metrics import MetricWriter, bleu
+from transformer.metrics import MetricWriter, all_scores, bleu, paper_bleu, paper_tokenize
 
 HYPOTHESES = ["The cat sat on the mat.", "A quick brown fox jumps over the dog.", "Hello there, world!"]
 REFERENCES = ["The cat sat on the mat.", "The quick brown fox jumped over the lazy dog.", "Hello, world!"]
@@ -51,3 +51,26 @@ def test_a_resumed_writer_drops_records_after_the_checkpoint(tmp_path):
     writer.close()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in records] == [(10, 10.0), (20, 20.0), (30, 3.0)]
+
+
+def test_paper_tokenization_is_moses_then_compound_splitting():
+    assert paper_tokenize("the well-known cat sat.", "de") == "the well ##AT##-##AT## known cat sat ."
+    # perl's s{(\S)-(\S)}{...}g does not overlap matches: "a-b-c" splits once; Moses escapes & and ".
+    assert paper_tokenize('a-b-c & "x"', "de") == 'a ##AT##-##AT## b-c &amp; &quot; x &quot;'
+
+
+def test_paper_bleu_by_hand_on_known_strings():
+    # "the well ##AT##-##AT## known cat sat ." vs "... dog sat .": 1-grams 6/7, 2-grams 4/6, 3-grams 2/5,
+    # 4-grams 1/4, equal lengths; 13a keeps "well-known" whole and scores it differently.
+    score = paper_bleu(["the well-known cat sat."], ["the well-known dog sat."], target_lang="de")
+    assert score["paper_bleu"] == pytest.approx(100 * (6 / 7 * 4 / 6 * 2 / 5 * 1 / 4) ** 0.25, rel=1e-9)
+    assert "##AT##" in score["paper_bleu_method"] and "lang de" in score["paper_bleu_method"]
+    # No smoothing (multi-bleu.perl): no matching 4-gram gives 0.
+    assert paper_bleu(["a b c d"], ["a b c e"], target_lang="de")["paper_bleu"] == 0.0
+
+
+def test_all_scores_has_bleu_chrf_and_paper_bleu_with_signatures():
+    scores = all_scores(HYPOTHESES, REFERENCES, target_lang="en")
+    assert scores["chrf"] == pytest.approx(sacrebleu.corpus_chrf(HYPOTHESES, [REFERENCES]).score)
+    assert scores["chrf_signature"].startswith("nrefs:1|case:mixed|eff:yes|nc:6|nw:0|space:no|version:")
+    assert scores["bleu"] == pytest.approx(bleu(HYPOTHESES, REFERENCES)["bleu"]) and 0 < scores["paper_bleu"] < 100

@@ -1,6 +1,7 @@
 """End to end: train.py then eval.py as a user runs them; resume equals an uninterrupted run; bad input fails
 before anything in the workdir is replaced."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -10,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 from tiny import TINY_OVERRIDES, make_tiny_config, tree_digest
-from transformer import trainer
+from transformer import decode, trainer
 from transformer.checkpoint import CheckpointMismatchError
 from transformer.sources import DataError
 from transformer.tokenizer import VocabularyError
@@ -27,7 +28,8 @@ def run_script(script, *args):
 def trained_workdir(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("run") / "demo"
     overrides = [f"--config.{key}={value}" for key, value in TINY_OVERRIDES.items()]
-    result = run_script("train.py", f"--workdir={workdir}", *overrides)
+    best = ["--config.train.keep_best_checkpoint=true", "--config.train.bleu_every_steps=3"]
+    result = run_script("train.py", f"--workdir={workdir}", *overrides, *best)
     assert result.returncode == 0, result.stderr[-3000:]
     return workdir, result.stdout
 
@@ -166,3 +168,95 @@ def test_misaligned_and_empty_text_files_are_named(tmp_path):
     (corpus / "valid.en").write_text("")
     with pytest.raises(DataError, match="empty"):
         trainer.Run(config, str(tmp_path / "w"))
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_eval_averages_checkpoints_with_beam_search_and_writes_all_scores(trained_workdir):
+    workdir, _ = trained_workdir
+    result = run_script("eval.py", f"--workdir={workdir}", "--split=valid", "--average_last=2", "--beam_size=2",
+                        "--alpha=0.6")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "averaged the parameters of steps [3, 6]" in result.stdout and "paper BLEU" in result.stdout
+    scores = json.loads((workdir / "eval" / "scores.avg2_step6.json").read_text())[0]
+    assert scores["averaged_steps"] == [3, 6] and scores["beam_size"] == 2 and scores["sentences"] == 64
+    assert scores["chrf_signature"].startswith("nrefs:1") and "##AT##" in scores["paper_bleu_method"]
+    assert scores["tokens_per_second"] > 0 and scores["sentences_per_second"] > 0
+    assert len((workdir / "eval" / "valid.avg2_step6.txt").read_text().splitlines()) == 64
+    expected = [(a + b) / 2 for a, b in zip(jax.tree.leaves(trainer.restore(str(workdir), 3).params),
+                                            jax.tree.leaves(trainer.restore(str(workdir), 6).params))]
+    averaged = trainer.restore(str(workdir), average_last=2)
+    for a, b in zip(jax.tree.leaves(averaged.params), expected):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_averaging_more_checkpoints_than_kept_or_an_empty_workdir_fails_clearly(trained_workdir, tmp_path):
+    workdir, _ = trained_workdir
+    with pytest.raises(ValueError, match=r"average the last 3 checkpoints up to step 6, but .* holds only 2 "
+                                         r"\(steps \[3, 6\]\)"):
+        trainer.restore(str(workdir), average_last=3)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text((workdir / "config.json").read_text())
+    (empty / "checkpoints").mkdir()
+    with pytest.raises(FileNotFoundError, match="no checkpoint in"):
+        trainer.restore(str(empty))
+    with pytest.raises(FileNotFoundError, match="best_checkpoint does not exist"):
+        trainer.restore(str(empty), best=True)
+
+
+def test_the_averaging_script_writes_a_workdir_that_restores_to_the_average(trained_workdir, tmp_path):
+    workdir, _ = trained_workdir
+    script = load_script("average_checkpoints")
+    assert script.write_averaged_workdir(str(workdir), str(tmp_path / "avg"), 2) == [3, 6]
+    restored, expected = trainer.restore(str(tmp_path / "avg")), trainer.restore(str(workdir), average_last=2)
+    assert restored.step == 6
+    for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(expected.params)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(FileExistsError, match="not empty"):
+        script.write_averaged_workdir(str(workdir), str(tmp_path / "avg"), 2)
+
+
+def test_translate_cli_round_trip(trained_workdir, tmp_path):
+    workdir, _ = trained_workdir
+    lines = ["The black cat sleeps in the garden.", "", "Two wolves are sad.", "The cat sleeps."]
+    command = [sys.executable, "-m", "transformer.translate", f"--workdir={workdir}", "--batch_size=3",
+               "--beam_size=2"]
+    result = subprocess.run(command, input="\n".join(lines) + "\n", capture_output=True, text=True, cwd=ROOT,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout.split("\n")
+    assert len(output) == 5 and output[1] == "" and output[4] == ""  # aligned; the empty line stays empty
+    restored = trainer.restore(str(workdir), decode_overrides={"beam_size": 2})
+    expected = decode.translate(restored.search_fn(), restored.params, restored.tokenizer, lines, 3)
+    assert output[:4] == expected
+
+
+def test_the_best_checkpoint_is_chosen_by_dev_bleu(trained_workdir):
+    workdir, _ = trained_workdir
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    valid = {r["step"]: r["bleu"] for r in records if r["split"] == "valid_bleu"}
+    assert sorted(valid) == [3, 6]  # test BLEU is logged too, but never chooses
+    assert len(os.listdir(workdir / "best_checkpoint")) == 1
+    restored = trainer.restore(str(workdir), best=True)
+    assert restored.best and restored.name == f"best_step{restored.step}" and valid[restored.step] == max(valid.values())
+
+
+def test_the_plot_script_writes_pngs_of_attention_rows_that_sum_to_one(trained_workdir, tmp_path):
+    workdir, _ = trained_workdir
+    script = load_script("plot_attention")
+    maps = script.plot_attention(trainer.restore(str(workdir)), "The black cat sleeps.", str(tmp_path))
+    for name in ("cross_attention.png", "decoder_self_attention.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = np.load(tmp_path / "attention.npz")
+    source, target = len(saved["source_tokens"]), len(saved["target_tokens"])
+    assert saved["cross"].shape == (1, 2, target, source) and saved["decoder_self"].shape == (1, 2, target, target)
+    np.testing.assert_allclose(saved["cross"].sum(-1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(saved["decoder_self"].sum(-1), 1.0, rtol=1e-5)
+    assert np.all(np.triu(saved["decoder_self"], k=1) == 0)  # causal: no target token sees a later one
+    assert maps["source_tokens"][-1] == "</s>"

@@ -76,15 +76,18 @@ class IteratorState:
 
 
 class Checkpointer:
-    """A thin owner of one ocp.CheckpointManager."""
+    """A thin owner of one ocp.CheckpointManager. With `best_metric`, it keeps the `keep` checkpoints with the
+    highest value of that metric (passed to `save`) instead of the last ones."""
 
     def __init__(self, directory: str, *, save_every_steps: int, keep: int, use_async: bool = True,
-                 read_only: bool = False):
+                 read_only: bool = False, best_metric: str | None = None):
         self.directory = os.path.abspath(directory)
         self.save_every_steps = save_every_steps
+        best = {} if best_metric is None else dict(
+            best_fn=lambda metrics: metrics[best_metric], best_mode="max", keep_checkpoints_without_metrics=False)
         # The interval is ours to apply (orbax's policy would also save the very first step of a run).
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=use_async,
-                                               create=not read_only, read_only=read_only)
+                                               create=not read_only, read_only=read_only, **best)
         # Naming the handler lets a fresh manager read an existing checkpoint's metadata (for the shape check).
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
             STATE_ITEM: ocp.StandardCheckpointHandler(), DATA_ITEM: grain.checkpoint.CheckpointHandler()})
@@ -111,7 +114,11 @@ class Checkpointer:
         args = ocp.args.Composite(**{DATA_ITEM: grain.checkpoint.CheckpointRestore(IteratorState())})
         return self.manager.restore(step, args=args)[DATA_ITEM].get_state()
 
-    def save(self, step: int, state: PyTree, *, data_state: bytes | None = None, force: bool = False) -> bool:
+    def best_step(self) -> int | None:
+        return self.manager.best_step()
+
+    def save(self, step: int, state: PyTree, *, data_state: bytes | None = None, force: bool = False,
+             metrics: dict[str, float] | None = None) -> bool:
         """Start an asynchronous save when `step` is a multiple of save_every_steps (or force); returns whether
         it saves. The state is copied to the host before this returns, so the caller may donate it next.
         `data_state`: the data iterator's state after the batch of `step` (see IteratorState)."""
@@ -120,7 +127,27 @@ class Checkpointer:
         items = {STATE_ITEM: ocp.args.StandardSave(state)}
         if data_state is not None:
             items[DATA_ITEM] = grain.checkpoint.CheckpointSave(IteratorState(data_state))
-        return self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        return self.manager.save(step, args=ocp.args.Composite(**items), force=True, metrics=metrics)
+
+    def average(self, abstract_state: PyTree, steps: list[int]) -> PyTree:
+        """The state of the last of `steps` with its params replaced by the mean of the params of all `steps`
+        (the paper's checkpoint averaging). Every checkpoint's shapes are checked before any is read."""
+        missing = sorted(set(steps) - set(self.all_steps()))
+        if missing:
+            raise FileNotFoundError(f"no checkpoint for step(s) {missing} in {self.directory}; found {self.all_steps()}")
+        for step in steps:
+            try:
+                check_compatible(self.manager.item_metadata(step)[STATE_ITEM], abstract_state, self.directory)
+            except CheckpointMismatchError as error:
+                raise CheckpointMismatchError(f"cannot average step {step}: {error}") from error
+        total, state = None, None
+        for step in steps:
+            state = self.restore(abstract_state, step)
+            # Summed in float64 on the host: exact enough for any N, and independent of the order of steps.
+            params = jax.tree.map(lambda x: np.asarray(x, np.float64), state.params)
+            total = params if total is None else jax.tree.map(np.add, total, params)
+        mean = jax.tree.map(lambda t, x: (t / len(steps)).astype(x.dtype), total, state.params)
+        return state.replace(params=mean)
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

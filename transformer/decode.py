@@ -1,6 +1,24 @@
-"""Incremental decoding with the model's key/value caches. Greedy search here; beam search has its own issue.
+"""Incremental decoding with the model's key/value caches: greedy search, beam search, sampling.
 
-`greedy_search` is a pure function of (params, inputs), jitted once per input shape.
+Every search is a pure function of (params, inputs), compiled once per input shape with `lax.while_loop`:
+
+  * the encoder runs once per batch, and the cross-attention keys/values of every decoder layer are computed
+    once per source sentence (`Transformer.init_cache`) and reused at every step; beam search computes them at
+    the batch size and repeats them for the beams, so the beams never recompute them and reordering beams
+    never moves them (all beams of a sentence share one source);
+  * each step feeds one token per hypothesis through `Transformer.decode_step`, which appends its key/value to
+    the self-attention cache.
+
+Lengths (the paper's "maximum output length input length + 50"): sentence i may produce up to
+`limit_i = (its real input length, EOS included) + max_extra_length` tokens, its EOS included; at position
+limit_i - 1 only EOS may be produced, so every hypothesis ends with EOS. The static buffer is the padded
+input length + max_extra_length; rows of all padding produce nothing.
+
+Beam search follows tensor2tensor / GNMT: scores are log-probabilities divided by the length penalty
+((5 + length) / 6)^alpha (length counts the EOS), the 2K best extensions of the K live hypotheses are split
+into new live ones (no EOS) and finished ones (EOS), and a sentence stops early once its K finished
+hypotheses are all at least as good as the best any live one could still reach
+(live log-probability / lp(limit_i), an upper bound for alpha >= 0). beam_size 1 is greedy search.
 """
 
 from __future__ import annotations
@@ -19,18 +37,61 @@ from transformer.metrics import log
 from transformer.tokenizer import EOS_ID, PAD_ID, Tokenizer
 
 PyTree = Any
+Search = Callable[[PyTree, jax.Array], jax.Array]
+# A large finite "minus infinity": sums and divisions of it stay finite, so no NaN can enter the top-k.
+NEG_INF = -1.0e7
 
 
-def greedy_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, max_extra_length: int) -> jax.Array:
+def length_penalty(length: jax.Array, alpha: float) -> jax.Array:
+    """GNMT's lp(Y) = ((5 + |Y|) / 6)^alpha (Wu et al. 2016, eq. 14); a score is log P(Y) / lp(Y)."""
+    return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
+
+
+def output_limits(inputs: jax.Array, max_extra_length: int) -> jax.Array:
+    """[batch] the most tokens (EOS included) each sentence may produce: its real length + max_extra_length;
+    0 for a row of padding only."""
+    lengths = jnp.sum(inputs != PAD_ID, axis=1).astype(jnp.int32)
+    return jnp.where(lengths > 0, lengths + max_extra_length, 0)
+
+
+def only_eos_at_limit(logits: jax.Array, index: jax.Array, limits: jax.Array) -> jax.Array:
+    """At a row's last allowed position (index == limit - 1) every token but EOS is ruled out.
+    logits (or log-probabilities) [rows, vocab], limits [rows]."""
+    last = (index + 1 >= limits)[:, None]
+    return jnp.where(last & (jnp.arange(logits.shape[-1]) != EOS_ID), NEG_INF, logits)
+
+
+def _encode(model, inputs: jax.Array, max_decode_length: int):
+    return model.init_cache(model.encode(inputs), max_decode_length)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Greedy search and sampling: one hypothesis per sentence
+
+
+def greedy_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, max_extra_length: int,
+                  temperature: float = 0.0, top_k: int = 0, rng: jax.Array | None = None) -> jax.Array:
     """inputs [batch, src_length] -> output ids [batch, src_length + max_extra_length], padded with 0 after EOS.
 
-    Stops early once every row has produced EOS (rows of all-padding inputs count as finished).
+    temperature 0 takes the argmax (greedy search); temperature > 0 samples from softmax(logits / temperature),
+    restricted to the top_k most likely tokens when top_k > 0, with key fold_in(rng, position).
+    Stops once every row has produced EOS (rows of all-padding inputs count as finished).
     """
     model = nnx.merge(graphdef, params)
     batch, max_decode_length = inputs.shape[0], inputs.shape[1] + max_extra_length
-    cache = model.init_cache(model.encode(inputs), max_decode_length)
+    limits = output_limits(inputs, max_extra_length)
+    cache = _encode(model, inputs, max_decode_length)
     outputs = jnp.zeros((batch, max_decode_length), jnp.int32)
-    finished = jnp.all(inputs == 0, axis=1)
+    finished = limits == 0
+
+    def choose(logits, index):
+        if temperature <= 0.0:
+            return jnp.argmax(logits, axis=-1)
+        logits = logits / temperature
+        if top_k > 0:
+            kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+            logits = jnp.where(logits >= kth, logits, NEG_INF)
+        return jax.random.categorical(jax.random.fold_in(rng, index), logits, axis=-1)
 
     def not_done(carry):
         index, _, _, finished, _ = carry
@@ -39,7 +100,8 @@ def greedy_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, 
     def step(carry):
         index, previous, cache, finished, outputs = carry
         logits, cache = model.decode_step(previous, index, cache, inputs)
-        token = jnp.where(finished, PAD_ID, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        logits = only_eos_at_limit(logits, index, limits)
+        token = jnp.where(finished, PAD_ID, choose(logits, index).astype(jnp.int32))
         outputs = outputs.at[:, index].set(token)
         return index + 1, token, cache, finished | (token == EOS_ID), outputs
 
@@ -47,18 +109,147 @@ def greedy_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, 
     return jax.lax.while_loop(not_done, step, start)[-1]
 
 
-def make_greedy_search(graphdef: nnx.GraphDef, max_extra_length: int) -> Callable[[PyTree, jax.Array], jax.Array]:
+# ----------------------------------------------------------------------------------------------------
+# Beam search
+
+
+def _gather_beams(tree: PyTree, beam_indices: jax.Array) -> PyTree:
+    """Select beams: every leaf [batch, beams, ...] indexed by beam_indices [batch, n] -> [batch, n, ...]."""
+    return jax.tree.map(lambda x: jnp.take_along_axis(
+        x, beam_indices.reshape(beam_indices.shape + (1,) * (x.ndim - 2)), axis=1), tree)
+
+
+def _reorder_self_cache(cache: PyTree, beam_indices: jax.Array) -> PyTree:
+    """The self-attention keys/values [batch * beams, ...] follow their hypotheses; cross-attention keys/values
+    are the same for all beams of a sentence and stay where they are."""
+    batch, beams = beam_indices.shape
+    rows = (jnp.arange(batch)[:, None] * beams + beam_indices).reshape(-1)
+    return [{**layer, "key": layer["key"][rows], "value": layer["value"][rows]} for layer in cache]
+
+
+def _top_extensions(log_probs: jax.Array, count: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The `count` best (beam, token) pairs of log_probs [batch, beams, vocab] -> scores, beams, tokens [batch, count].
+
+    Two stages (each beam's best `count`, then the best `count` of those) give the same pairs as one top-k over
+    beams * vocab, which XLA's CPU top-k runs several times slower at vocab 32k.
+    """
+    batch, beams, vocab = log_probs.shape
+    per_beam = min(count, vocab)
+    scores, tokens = jax.lax.top_k(log_probs, per_beam)  # [batch, beams, per_beam]
+    scores, flat = jax.lax.top_k(scores.reshape(batch, beams * per_beam), count)
+    return scores, flat // per_beam, jnp.take_along_axis(tokens.reshape(batch, beams * per_beam), flat, axis=1)
+
+
+def beam_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, beam_size: int, alpha: float,
+                max_extra_length: int, early_stopping: bool = True,
+                recompute_cross_attention: bool = False) -> tuple[jax.Array, jax.Array]:
+    """inputs [batch, src_length] -> (sequences [batch, beam_size, src_length + max_extra_length], each ending in
+    EOS then padding, best first; scores [batch, beam_size], log P / lp, NEG_INF-ish for empty slots).
+
+    early_stopping=False runs every row to the full buffer length (for benchmarks). recompute_cross_attention
+    recomputes the cross-attention keys/values at every step, as flax's examples/wmt does: only there to measure
+    what caching them saves.
+    """
+    model = nnx.merge(graphdef, params)
+    batch, src_length = inputs.shape
+    beams, max_decode_length = beam_size, src_length + max_extra_length
+    limits = output_limits(inputs, max_extra_length)
+    encoded = model.encode(inputs)
+    cache = jax.tree.map(lambda x: jnp.repeat(x, beams, axis=0), model.init_cache(encoded, max_decode_length))
+    flat_inputs = jnp.repeat(inputs, beams, axis=0)  # [batch * beams, src_length]: the cross-attention mask
+
+    def cross_from_scratch(cache, index):
+        # The loop index through an optimization barrier keeps XLA from hoisting this out of the loop.
+        source = jnp.repeat(jax.lax.optimization_barrier((encoded, index))[0], beams, axis=0)
+        return [{**layer_cache, **dict(zip(("cross_key", "cross_value"), layer.cross_attention.keys_values(source)))}
+                for layer, layer_cache in zip(model.decoder_layers, cache)]
+
+    def not_done(carry):
+        return (carry["index"] < max_decode_length) & ~jnp.all(carry["done"])
+
+    def step(carry):
+        index, cache = carry["index"], carry["cache"]
+        if recompute_cross_attention:
+            cache = cross_from_scratch(cache, index)
+        logits, cache = model.decode_step(carry["tokens"].reshape(-1), index, cache, flat_inputs)
+        # Masked after the softmax: a hypothesis ended at its limit pays EOS's real probability (as fairseq does).
+        log_probs = only_eos_at_limit(jax.nn.log_softmax(logits), index, jnp.repeat(limits, beams))
+        log_probs = log_probs.reshape(batch, beams, -1) + carry["live_scores"][:, :, None]
+        scores, from_beam, tokens = _top_extensions(log_probs, 2 * beams)
+        sequences = _gather_beams(carry["live_sequences"], from_beam)
+        sequences = jax.lax.dynamic_update_slice(sequences, tokens[:, :, None], (0, 0, index))
+        is_eos = tokens == EOS_ID
+        # Live: the best K extensions without EOS; the self-attention cache follows them.
+        live_scores, keep = jax.lax.top_k(jnp.where(is_eos, NEG_INF, scores), beams)
+        live = _gather_beams({"sequences": sequences, "tokens": tokens, "beam": from_beam}, keep)
+        # Finished: extensions ending in EOS join the K best finished so far (none once a row is done).
+        # (An extension of an empty beam slot scores about NEG_INF: it is no hypothesis.)
+        ended = is_eos & (scores > NEG_INF / 2) & ~carry["done"][:, None]
+        new_finished = jnp.where(ended, scores / length_penalty(index + 1, alpha), NEG_INF)
+        finished_scores, best = jax.lax.top_k(jnp.concatenate([carry["finished_scores"], new_finished], 1), beams)
+        finished_sequences = _gather_beams(jnp.concatenate([carry["finished_sequences"], sequences], 1), best)
+        finished_flags = _gather_beams(jnp.concatenate([carry["finished_flags"], ended], 1), best)
+        # No live hypothesis can still beat the K finished ones (valid for alpha >= 0: log P only falls, lp grows).
+        best_possible = live_scores[:, 0] / length_penalty(limits, alpha)
+        settled = jnp.all(finished_flags, axis=1) & (finished_scores[:, -1] >= best_possible)
+        done = carry["done"] | (index + 1 >= limits) | (early_stopping & settled)
+        return dict(index=index + 1, cache=_reorder_self_cache(cache, live["beam"]), tokens=live["tokens"],
+                    live_scores=live_scores, live_sequences=live["sequences"], finished_scores=finished_scores,
+                    finished_sequences=finished_sequences, finished_flags=finished_flags, done=done)
+
+    # Only beam 0 is live at the start, so the first step's K best come from K different tokens.
+    live_scores = jnp.tile(jnp.array([0.0] + [NEG_INF] * (beams - 1), jnp.float32), (batch, 1))
+    start = dict(index=jnp.int32(0), cache=cache, tokens=jnp.zeros((batch, beams), jnp.int32),
+                 live_scores=live_scores, live_sequences=jnp.zeros((batch, beams, max_decode_length), jnp.int32),
+                 finished_scores=jnp.full((batch, beams), NEG_INF, jnp.float32),
+                 finished_sequences=jnp.zeros((batch, beams, max_decode_length), jnp.int32),
+                 finished_flags=jnp.zeros((batch, beams), bool), done=limits == 0)
+    final = jax.lax.while_loop(not_done, step, start)
+    sequences = jnp.where(final["finished_flags"][:, :, None], final["finished_sequences"], 0)
+    return sequences, final["finished_scores"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# One entry point for every caller
+
+
+def make_search(graphdef: nnx.GraphDef, *, max_extra_length: int, beam_size: int = 1, alpha: float = 0.0,
+                early_stopping: bool = True, temperature: float = 0.0, top_k: int = 0, seed: int = 0) -> Search:
+    """A jitted `search(params, inputs) -> output ids [batch, src_length + max_extra_length]`: sampling when
+    temperature > 0, else greedy search for beam_size 1, else beam search (its best hypothesis)."""
+    if beam_size < 1:
+        raise ValueError(f"beam_size={beam_size} must be >= 1")
+    if temperature > 0.0 or beam_size == 1:
+        rng = jax.random.PRNGKey(seed)
+        return jax.jit(functools.partial(greedy_search, graphdef=graphdef, max_extra_length=max_extra_length,
+                                         temperature=temperature, top_k=top_k, rng=rng))
+
+    def best(params, inputs):
+        sequences, _ = beam_search(params, inputs, graphdef=graphdef, beam_size=beam_size, alpha=alpha,
+                                   max_extra_length=max_extra_length, early_stopping=early_stopping)
+        return sequences[:, 0]
+    return jax.jit(best)
+
+
+def make_greedy_search(graphdef: nnx.GraphDef, max_extra_length: int) -> Search:
     """`greedy_search` bound to one model and jitted: `search(params, inputs) -> output ids`."""
-    return jax.jit(functools.partial(greedy_search, graphdef=graphdef, max_extra_length=max_extra_length))
+    return make_search(graphdef, max_extra_length=max_extra_length)
 
 
-def translate(search: Callable[[PyTree, jax.Array], jax.Array], params: PyTree, tokenizer: Tokenizer,
-              sentences: list[str], batch_size: int, max_input_length: int | None = None) -> list[str]:
+def translate(search: Search, params: PyTree, tokenizer: Tokenizer, sentences: list[str], batch_size: int,
+              max_input_length: int | None = None) -> list[str]:
     """Translate sentences in length-sorted batches with a jitted `search(params, inputs)`; keeps input order.
 
     An empty sentence gets an empty translation. With `max_input_length` (a model with learned positions),
     longer inputs are truncated to it, keeping their EOS, with a warning.
     """
+    return [tokenizer.decode(ids) for ids in search_ids(search, params, tokenizer, sentences, batch_size,
+                                                         max_input_length)]
+
+
+def search_ids(search: Search, params: PyTree, tokenizer: Tokenizer, sentences: list[str], batch_size: int,
+               max_input_length: int | None = None) -> list[np.ndarray]:
+    """The output ids of each sentence (up to and including EOS), in input order; empty for an empty sentence."""
     if not sentences:
         return []
     inputs = tokenizer.encode(sentences)
@@ -69,10 +260,10 @@ def translate(search: Callable[[PyTree, jax.Array], jax.Array], params: PyTree, 
                         len(too_long), max_input_length, too_long[0] + 1)
             for i in too_long:
                 inputs[i] = np.append(inputs[i][:max_input_length - 1], EOS_ID).astype(np.int32)
-    translations: list[str] = [""] * len(sentences)
+    outputs: list[np.ndarray] = [np.zeros((0,), np.int32)] * len(sentences)
     for indices, batch in data.decode_batches(inputs, batch_size):
-        outputs = np.asarray(search(params, batch))
-        for index, ids in zip(indices, outputs):
+        for index, ids in zip(indices, np.asarray(search(params, batch))):
             if index >= 0 and sentences[index].strip():
-                translations[index] = tokenizer.decode(ids)
-    return translations
+                ids = ids.tolist()
+                outputs[index] = np.asarray(ids[:ids.index(EOS_ID) + 1] if EOS_ID in ids else ids, np.int32)
+    return outputs

@@ -1,10 +1,13 @@
-"""Scores and logs: sacreBLEU with its signature; TensorBoard, a metrics JSONL and console lines."""
+"""Scores and logs: sacreBLEU and chrF with their signatures, the paper's tokenized compound-split BLEU;
+TensorBoard, a metrics JSONL and console lines."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -35,6 +38,49 @@ def bleu(hypotheses: list[str], references: list[str], *, target_lang: str | Non
     score = metric.corpus_score(hypotheses, [references])
     return {"bleu": score.score, "signature": str(metric.get_signature()), "precisions": score.precisions,
             "brevity_penalty": score.bp, "hypothesis_length": score.sys_len, "reference_length": score.ref_len}
+
+
+def chrf(hypotheses: list[str], references: list[str]) -> dict[str, Any]:
+    """Corpus chrF (sacreBLEU's defaults: character 6-grams, beta 2) with its signature."""
+    metric = sacrebleu.metrics.CHRF()
+    return {"chrf": metric.corpus_score(hypotheses, [references]).score, "chrf_signature": str(metric.get_signature())}
+
+
+# The paper's BLEU is tensor2tensor's get_ende_bleu.sh: Moses tokenizer.perl -l <lang> (default options, so
+# XML special characters are escaped), then compounds put in ##AT## form with perl's s{(\S)-(\S)}{$1 ##AT##-##AT## $2}g,
+# then multi-bleu.perl (cased, no smoothing, whitespace tokens). sacremoses is the Python port of tokenizer.perl;
+# sacreBLEU with tok 'none' and no smoothing computes multi-bleu.perl's corpus BLEU.
+PAPER_BLEU_METHOD = ("tensor2tensor get_ende_bleu.sh: sacremoses MosesTokenizer(lang).tokenize(escape=True), "
+                     "s/(\\S)-(\\S)/\\1 ##AT##-##AT## \\2/g, then cased BLEU without smoothing on whitespace tokens "
+                     "(multi-bleu.perl's)")
+_COMPOUND = re.compile(r"(\S)-(\S)")
+
+
+@functools.lru_cache(maxsize=8)
+def _moses(lang: str):
+    from sacremoses import MosesTokenizer  # imported here: only the paper BLEU needs it
+    return MosesTokenizer(lang=lang)
+
+
+def paper_tokenize(text: str, lang: str) -> str:
+    """Moses-tokenized, compound-split text: "ein Test-Fall." -> "ein Test ##AT##-##AT## Fall ."."""
+    return _COMPOUND.sub(r"\1 ##AT##-##AT## \2", _moses(lang).tokenize(text, escape=True, return_str=True))
+
+
+def paper_bleu(hypotheses: list[str], references: list[str], *, target_lang: str) -> dict[str, Any]:
+    """The paper's tokenized, compound-split BLEU (comparable to Vaswani et al. Table 2 for en->de)."""
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
+    metric = sacrebleu.metrics.BLEU(tokenize="none", smooth_method="none", force=True)
+    score = metric.corpus_score([paper_tokenize(h, target_lang) for h in hypotheses],
+                                [[paper_tokenize(r, target_lang) for r in references]])
+    return {"paper_bleu": score.score, "paper_bleu_method": f"{PAPER_BLEU_METHOD}, lang {target_lang}"}
+
+
+def all_scores(hypotheses: list[str], references: list[str], *, target_lang: str) -> dict[str, Any]:
+    """sacreBLEU, chrF and the paper's BLEU side by side, each with its signature or method."""
+    return {**bleu(hypotheses, references, target_lang=target_lang), **chrf(hypotheses, references),
+            **paper_bleu(hypotheses, references, target_lang=target_lang)}
 
 
 class MetricWriter:

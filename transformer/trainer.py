@@ -29,6 +29,7 @@ from transformer.tokenizer import Tokenizer
 
 CONFIG_FILE = "config.json"
 DROPOUT_RNGS = ("threefry2x32", "rbg", "unsafe_rbg")
+BEST_CHECKPOINT_DIR = "best_checkpoint"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,7 @@ class TrainConfig:
     async_checkpointing: bool = True
     num_microbatches: int = 1
     dropout_rng: str = "threefry2x32"
+    keep_best_checkpoint: bool = False  # also keep the checkpoint of the best dev (valid) BLEU in workdir/best_checkpoint
 
     def __post_init__(self):
         if self.num_microbatches < 1:
@@ -60,15 +62,35 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
+    """Built from `config.decode`; see configs/default.py for each field's meaning."""
+
     batch_size: int = 256
     max_extra_length: int = 50
     bleu_splits: str = "valid,test"
+    beam_size: int = 4
+    alpha: float = 0.6
+    early_stopping: bool = True
+    temperature: float = 0.0
+    top_k: int = 0
+    average_last: int = 0
 
     def __post_init__(self):
         if self.batch_size <= 0:
             raise ValueError(f"decode.batch_size={self.batch_size} must be positive")
         if self.max_extra_length < 0:
             raise ValueError(f"decode.max_extra_length={self.max_extra_length} must be >= 0")
+        if self.beam_size < 1:
+            raise ValueError(f"decode.beam_size={self.beam_size} must be >= 1")
+        if self.alpha < 0:  # early stopping's bound on what a live beam can reach needs alpha >= 0
+            raise ValueError(f"decode.alpha={self.alpha} must be >= 0")
+        if self.temperature < 0 or self.top_k < 0 or self.average_last < 0:
+            raise ValueError(f"decode.temperature={self.temperature}, decode.top_k={self.top_k} and "
+                             f"decode.average_last={self.average_last} must be >= 0")
+
+    def search_fn(self, graphdef: nnx.GraphDef, seed: int) -> decode.Search:
+        return decode.make_search(graphdef, max_extra_length=self.max_extra_length, beam_size=self.beam_size,
+                                  alpha=self.alpha, early_stopping=self.early_stopping,
+                                  temperature=self.temperature, top_k=self.top_k, seed=seed)
 
     @property
     def splits(self) -> list[str]:
@@ -115,6 +137,9 @@ class Settings:
         if settings.data.rows_per_batch % settings.train.num_microbatches:
             raise ValueError(f"train.num_microbatches={settings.train.num_microbatches} must divide the "
                              f"{settings.data.rows_per_batch} rows per batch (data.tokens_per_batch // max_length)")
+        if settings.decode.average_last > settings.train.keep_checkpoints:
+            raise ValueError(f"decode.average_last={settings.decode.average_last} is more than the "
+                             f"train.keep_checkpoints={settings.train.keep_checkpoints} a run keeps")
         if settings.seed < 0:
             raise ValueError(f"config.seed={settings.seed} must be >= 0")
         if model.get("positional_encoding") == "learned" and model.get("max_length", 0) < settings.data.max_length:
@@ -294,6 +319,11 @@ class Run:
                                          use_async=settings.train.async_checkpointing)
         self.data_state: bytes | None = None  # the data iterator's state in the restored checkpoint
         self.state = self._restore_or_init()
+        self.best_checkpointer = None
+        if settings.train.keep_best_checkpoint:
+            self.best_checkpointer = Checkpointer(os.path.join(workdir, BEST_CHECKPOINT_DIR), save_every_steps=1,
+                                                  keep=1, use_async=settings.train.async_checkpointing,
+                                                  best_metric="valid_bleu")
         self.is_writer = jax.process_index() == 0
         if not self.is_writer:  # one console: process 0's
             log.setLevel("WARNING")
@@ -323,7 +353,7 @@ class Run:
         return train, evaluate, time.perf_counter() - start
 
     def search_fn(self):
-        return decode.make_greedy_search(self.graphdef, self.settings.decode.max_extra_length)
+        return self.settings.decode.search_fn(self.graphdef, self.settings.seed)
 
     def evaluate_loss(self, evaluate) -> dict[str, float]:
         batches = data.eval_batches(self.corpus.examples["valid"], max_length=self.settings.data.max_length,
@@ -409,6 +439,9 @@ class Run:
         result["bleu"] = self._report_bleu(search, settings.decode.splits, writer, progress)
         self.checkpointer.wait()
         self.checkpointer.close()
+        if self.best_checkpointer is not None:
+            self.best_checkpointer.wait()
+            self.best_checkpointer.close()
         writer.close()
         if self.is_writer:
             with open(os.path.join(self.workdir, "scores.json"), "w", encoding="utf-8") as handle:
@@ -439,6 +472,10 @@ class Run:
     def _report_bleu(self, search, splits, writer, progress) -> dict[str, dict[str, Any]]:
         scores = self.evaluate_bleu(search, splits)
         step = int(self.state.step)
+        # Only the dev set chooses checkpoints; the test set never does.
+        if self.best_checkpointer is not None and "valid" in scores \
+                and step not in self.best_checkpointer.all_steps():
+            self.best_checkpointer.save(step, self.state, force=True, metrics={"valid_bleu": scores["valid"]["bleu"]})
         for split, score in scores.items():
             writer.write(step, {"bleu": score["bleu"], "decode_seconds": score["decode_seconds"]}, f"{split}_bleu")
             progress.write(f"step {step}: {split} BLEU {score['bleu']:.2f} ({score['signature']}), "
@@ -453,7 +490,8 @@ class Run:
 # Settings a resumed run may change; any other difference from the workdir's config.json is refused.
 RESUMABLE_CHANGES = ("train.num_train_steps", "train.log_every_steps", "train.eval_every_steps",
                      "train.bleu_every_steps", "train.checkpoint_every_steps", "train.keep_checkpoints",
-                     "train.async_checkpointing", "decode.", "mesh.", "train.num_microbatches")
+                     "train.async_checkpointing", "decode.", "mesh.", "train.num_microbatches",
+                     "train.keep_best_checkpoint")
 
 
 def check_resume_config(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict) -> None:
@@ -495,25 +533,55 @@ class Restored:
     params: dict
     tokenizer: Tokenizer
     step: int
+    averaged_steps: list[int] = dataclasses.field(default_factory=list)  # the steps whose params were averaged
+    best: bool = False  # restored from best_checkpoint/
+
+    @property
+    def name(self) -> str:
+        """step<N>, avg<K>_step<N> or best_step<N>: names the outputs of this model."""
+        if len(self.averaged_steps) > 1:
+            return f"avg{len(self.averaged_steps)}_step{self.step}"
+        return f"best_step{self.step}" if self.best else f"step{self.step}"
 
     def search_fn(self):
-        return decode.make_greedy_search(self.graphdef, self.settings.decode.max_extra_length)
+        return self.settings.decode.search_fn(self.graphdef, self.settings.seed)
 
 
-def restore(workdir: str, step: int | None = None) -> Restored:
-    """The config, tokenizer and parameters of `workdir` at `step` (default: the latest checkpoint)."""
-    settings = Settings.from_config(load_workdir_config(workdir))
-    vocab_path = settings.data.vocab_path or os.path.join(workdir, "vocab.model")
-    tokenizer = Tokenizer(vocab_path)
-    model_config = settings.model_config(tokenizer.vocab_size)
-    optimizer, _ = make_optimizer(settings.optimizer, model_config.emb_dim)
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), save_every_steps=1, keep=1, use_async=False,
-                                read_only=True)
+def restore(workdir: str, step: int | None = None, *, average_last: int = 0, best: bool = False,
+            decode_overrides: dict[str, Any] | None = None) -> Restored:
+    """The config, tokenizer and parameters of `workdir` at `step` (default: the latest checkpoint), or the
+    mean of the parameters of the last `average_last` checkpoints up to `step`, or (best) the checkpoint of
+    the best dev BLEU. decode_overrides replace fields of the saved decode config (e.g. beam_size)."""
+    config = load_workdir_config(workdir)
+    if decode_overrides:
+        config.decode.update({key: value for key, value in decode_overrides.items() if value is not None})
+    settings = Settings.from_config(config)
+    directory = os.path.join(workdir, BEST_CHECKPOINT_DIR if best else "checkpoints")
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"no checkpoint in {workdir}: {directory} does not exist" + (
+            " (train with --config.train.keep_best_checkpoint=true to keep one)" if best else ""))
+    checkpointer = Checkpointer(directory, save_every_steps=1, keep=1, use_async=False, read_only=True)
     try:
-        step = checkpointer.latest_step() if step is None else step
-        if step is None:
+        steps = checkpointer.all_steps()
+        if not steps:
             raise FileNotFoundError(f"no checkpoint in {checkpointer.directory}")
-        state = checkpointer.restore(abstract_train_state(model_config, optimizer, settings.seed), step)
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise FileNotFoundError(f"no checkpoint for step {step} in {checkpointer.directory}; found {steps}")
+        averaged = [s for s in steps if s <= step][-average_last:] if average_last > 1 else [step]
+        if len(averaged) < average_last:
+            raise ValueError(f"asked to average the last {average_last} checkpoints up to step {step}, but "
+                             f"{checkpointer.directory} holds only {len(averaged)} (steps {averaged}); the run kept "
+                             f"train.keep_checkpoints={settings.train.keep_checkpoints}")
+        tokenizer = Tokenizer(settings.data.vocab_path or os.path.join(workdir, "vocab.model"))
+        model_config = settings.model_config(tokenizer.vocab_size)
+        optimizer, _ = make_optimizer(settings.optimizer, model_config.emb_dim)
+        # Into this machine's devices (data parallel), whatever mesh and process count wrote the checkpoint.
+        mesh_config = sharding.MeshConfig()
+        shardings = state_shardings(model_config, optimizer, sharding.make_mesh(mesh_config), mesh_config)
+        abstract = abstract_train_state(model_config, optimizer, settings.seed, shardings)
+        state = checkpointer.average(abstract, averaged) if len(averaged) > 1 else checkpointer.restore(abstract, step)
     finally:
         checkpointer.close()
-    return Restored(settings, model_config, model_graphdef(model_config), state.params, tokenizer, step)
+    return Restored(settings, model_config, model_graphdef(model_config), state.params, tokenizer, step,
+                    averaged if len(averaged) > 1 else [], best)

@@ -1,0 +1,66 @@
+"""Write the average of the last N checkpoints of a workdir as a new workdir that eval.py and
+transformer.translate read like any other (the paper averaged the last 5 checkpoints of base, 20 of big).
+
+    python scripts/average_checkpoints.py --workdir=runs/base --average_last=5 --output_workdir=runs/base_avg5
+    python eval.py --workdir=runs/base_avg5
+
+The new workdir gets config.json, vocab.model and checkpoints/<last step>: the optimizer state and step of the
+last averaged checkpoint with the mean of the parameters. An existing, non-empty --output_workdir is refused.
+"""
+
+import os
+import shutil
+
+from absl import app, flags, logging
+
+from transformer import trainer
+from transformer.checkpoint import Checkpointer
+from transformer.optim import make_optimizer
+from transformer.tokenizer import Tokenizer
+
+flags.DEFINE_string("workdir", None, "A directory written by train.py.", required=True)
+flags.DEFINE_integer("average_last", None, "How many of the last checkpoints to average.", required=True)
+flags.DEFINE_integer("step", None, "Average the last N checkpoints up to this step (default: the latest).")
+flags.DEFINE_string("output_workdir", None, "The new workdir to write (must not exist, or be empty).", required=True)
+FLAGS = flags.FLAGS
+
+
+def write_averaged_workdir(workdir: str, output_workdir: str, average_last: int, step: int | None = None) -> list[int]:
+    """Average and write; returns the averaged steps. Everything is checked before output_workdir is created."""
+    if average_last < 1:
+        raise ValueError(f"--average_last={average_last} must be >= 1")
+    if os.path.exists(output_workdir) and (not os.path.isdir(output_workdir) or os.listdir(output_workdir)):
+        raise FileExistsError(f"--output_workdir={output_workdir} exists and is not empty; choose a new directory")
+    restored = trainer.restore(workdir, step, average_last=average_last)  # every check and message lives here
+    steps = restored.averaged_steps or [restored.step]
+    settings = restored.settings
+    optimizer, _ = make_optimizer(settings.optimizer, restored.model_config.emb_dim)
+    abstract = trainer.abstract_train_state(restored.model_config, optimizer, settings.seed)
+    source = Checkpointer(os.path.join(workdir, "checkpoints"), save_every_steps=1, keep=1, use_async=False,
+                          read_only=True)
+    try:
+        state = source.restore(abstract, steps[-1]).replace(params=restored.params)
+    finally:
+        source.close()
+    os.makedirs(output_workdir, exist_ok=True)
+    shutil.copy(os.path.join(workdir, trainer.CONFIG_FILE), os.path.join(output_workdir, trainer.CONFIG_FILE))
+    if not settings.data.vocab_path:
+        shutil.copy(Tokenizer(os.path.join(workdir, "vocab.model")).path, os.path.join(output_workdir, "vocab.model"))
+    target = Checkpointer(os.path.join(output_workdir, "checkpoints"), save_every_steps=1, keep=1, use_async=False)
+    target.save(steps[-1], state, force=True)
+    target.wait()
+    target.close()
+    return steps
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    steps = write_averaged_workdir(FLAGS.workdir, FLAGS.output_workdir, FLAGS.average_last, FLAGS.step)
+    print(f"wrote the average of steps {steps} to {FLAGS.output_workdir}/checkpoints/{steps[-1]}")
+
+
+if __name__ == "__main__":
+    app.run(main)
