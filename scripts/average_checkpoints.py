@@ -18,10 +18,15 @@ from transformer.checkpoint import Checkpointer
 from transformer.optim import make_optimizer
 from transformer.tokenizer import Tokenizer
 
-flags.DEFINE_string("workdir", None, "A directory written by train.py.", required=True)
-flags.DEFINE_integer("average_last", None, "How many of the last checkpoints to average.", required=True)
-flags.DEFINE_integer("step", None, "Average the last N checkpoints up to this step (default: the latest).")
-flags.DEFINE_string("output_workdir", None, "The new workdir to write (must not exist, or be empty).", required=True)
+
+def define_flags() -> None:
+    """Defined only when run as a script, so that tests can import several scripts into one process."""
+    flags.DEFINE_string("workdir", None, "A directory written by train.py.", required=True)
+    flags.DEFINE_integer("average_last", None, "How many of the last checkpoints to average.", required=True)
+    flags.DEFINE_integer("step", None, "Average the last N checkpoints up to this step (default: the latest).")
+    flags.DEFINE_string("output_workdir", None, "The new workdir to write (must not exist, or be empty).", required=True)
+
+
 FLAGS = flags.FLAGS
 
 
@@ -63,4 +68,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -25,11 +25,16 @@ from flax import nnx
 
 from transformer import decode, model as model_lib, trainer
 
-flags.DEFINE_string("workdir", None, "A directory written by train.py.", required=True)
-flags.DEFINE_string("source", None, "The source sentence.", required=True)
-flags.DEFINE_string("output_dir", None, "Where to write the PNGs and weights (default: workdir/attention).")
-flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
-flags.DEFINE_integer("beam_size", None, "Beam size of the translation (default: the config's).")
+
+def define_flags() -> None:
+    """Defined only when run as a script, so that tests can import several scripts into one process."""
+    flags.DEFINE_string("workdir", None, "A directory written by train.py.", required=True)
+    flags.DEFINE_string("source", None, "The source sentence.", required=True)
+    flags.DEFINE_string("output_dir", None, "Where to write the PNGs and weights (default: workdir/attention).")
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    flags.DEFINE_integer("beam_size", None, "Beam size of the translation (default: the config's).")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -122,4 +127,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
