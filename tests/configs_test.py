@@ -61,3 +61,33 @@ def test_unknown_and_invalid_settings_fail_naming_the_key():
     config.decode.bleu_splits = "valid,dev"
     with pytest.raises(ValueError, match="'dev'"):
         Settings.from_config(config)
+
+
+@pytest.mark.parametrize("name, dropout, steps, averaged", [("base", 0.1, 100_000, 5), ("big", 0.3, 300_000, 20)])
+def test_base_and_big_carry_the_papers_values(name, dropout, steps, averaged):
+    """Vaswani et al. 2017, Table 3 and sections 5-6, English->German."""
+    settings = Settings.from_config(load(name))
+    model, optimizer, train, decode, data = (settings.model, settings.optimizer, settings.train, settings.decode,
+                                             settings.data)
+    d_model, d_ff, heads = (512, 2048, 8) if name == "base" else (1024, 4096, 16)
+    assert (model["num_encoder_layers"], model["num_decoder_layers"]) == (6, 6)
+    assert (model["emb_dim"], model["mlp_dim"], model["num_heads"]) == (d_model, d_ff, heads)
+    assert model["dropout_rate"] == dropout and model["layer_norm"] == "post"
+    assert model["positional_encoding"] == "sinusoidal" and model["share_embeddings"]
+    assert train.label_smoothing == 0.1 and train.num_train_steps == steps
+    assert optimizer.warmup_steps == 4000 and optimizer.learning_rate_scale == 1.0
+    assert (optimizer.adam_b1, optimizer.adam_b2, optimizer.adam_eps) == (0.9, 0.98, 1e-9)
+    assert 24_000 <= data.tokens_per_batch <= 26_000  # ~25k source and ~25k target tokens per step (packed rows)
+    assert (decode.beam_size, decode.alpha, decode.max_extra_length) == (4, 0.6, 50)
+    assert decode.average_last == averaged <= train.keep_checkpoints
+    # English->German on WMT14 (TFDS keys the pairs de, en), newstest2013 dev, newstest2014 test.
+    assert (data.source, data.tfds_name, data.source_lang, data.target_lang) == (
+        "tfds", "wmt14_translate/de-en", "en", "de")
+    assert (data.valid_split, data.test_split) == ("validation", "test")
+
+
+def test_the_multi30k_recipe_stops_on_a_time_budget_and_averages():
+    settings = Settings.from_config(load("multi30k"))
+    assert settings.train.max_train_minutes == 20 and settings.decode.average_last > 1
+    assert (settings.data.valid_split, settings.data.test_split) == ("val", "test2016")
+    assert settings.data.source_lang == "en" and settings.data.target_lang == "de"

@@ -260,3 +260,27 @@ def test_the_plot_script_writes_pngs_of_attention_rows_that_sum_to_one(trained_w
     np.testing.assert_allclose(saved["decoder_self"].sum(-1), 1.0, rtol=1e-5)
     assert np.all(np.triu(saved["decoder_self"], k=1) == 0)  # causal: no target token sees a later one
     assert maps["source_tokens"][-1] == "</s>"
+
+
+def test_a_time_budget_stops_the_run_then_the_last_checkpoints_are_averaged_and_scored(tmp_path):
+    """train.max_train_minutes: stop at the first log step past the budget (counting the training time of
+    the run before a resume), save, average the last checkpoints, decode; the time-to-BLEU curve script reads
+    the workdir."""
+    workdir = tmp_path / "budget"
+    config = make_tiny_config(**{"train.num_train_steps": 1000, "train.max_train_minutes": 1e-4,
+                                 "train.checkpoint_every_steps": 1, "train.keep_checkpoints": 3,
+                                 "decode.average_last": 2, "decode.bleu_splits": "valid"})
+    first = trainer.Run(config, str(workdir)).train()
+    assert first["step"] == 1 and "averaged_steps" not in first  # 6 ms of budget are spent by the first log
+    second = trainer.Run(config, str(workdir)).train()  # resumes already over budget: one more step
+    assert second["step"] == 2 and second["averaged_steps"] == [1, 2]
+    assert second["train_seconds"] > first["train_seconds"] >= 60e-4
+    params = {step: trainer.restore(str(workdir), step).params for step in (1, 2)}
+    averaged = trainer.restore(str(workdir), 2, average_last=2).params
+    leaf = lambda tree: np.asarray(jax.tree.leaves(tree)[0])  # noqa: E731
+    np.testing.assert_allclose(leaf(averaged), (leaf(params[1]) + leaf(params[2])) / 2, atol=1e-7)
+    assert (workdir / "translations_valid_avg_step2.txt").exists()
+    png = tmp_path / "curve.png"
+    plotted = run_script("scripts/plot_bleu_curve.py", f"--workdirs={workdir}", f"--output={png}")
+    assert plotted.returncode == 0, plotted.stderr[-3000:]
+    assert "step 2" in plotted.stdout and png.stat().st_size > 1000

@@ -45,6 +45,7 @@ class TrainConfig:
     num_microbatches: int = 1
     dropout_rng: str = "threefry2x32"
     keep_best_checkpoint: bool = False  # also keep the checkpoint of the best dev (valid) BLEU in workdir/best_checkpoint
+    max_train_minutes: float = 0.0  # stop once this much training time is spent (0: no budget)
 
     def __post_init__(self):
         if self.num_microbatches < 1:
@@ -56,6 +57,8 @@ class TrainConfig:
         for name in ("log_every_steps", "checkpoint_every_steps", "keep_checkpoints"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"train.{name}={getattr(self, name)} must be positive")
+        if self.max_train_minutes < 0:
+            raise ValueError(f"train.max_train_minutes={self.max_train_minutes} must be >= 0")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"train.label_smoothing={self.label_smoothing} must be in [0, 1)")
 
@@ -362,18 +365,18 @@ class Run:
         summary = summarize(jax.device_get(outputs))
         return {key: summary[key] for key in ("loss", "accuracy", "perplexity", "target_tokens")}
 
-    def evaluate_bleu(self, search, splits: list[str]) -> dict[str, dict[str, Any]]:
-        scores = {}
+    def evaluate_bleu(self, search, splits: list[str], params=None, prefix: str = "") -> dict[str, dict[str, Any]]:
+        scores, params = {}, self.state.params if params is None else params
         for split in splits:
             start = time.perf_counter()
             sources, references = zip(*self.corpus.pairs[split])
-            hypotheses = decode.translate(search, self.state.params, self.corpus.tokenizer, list(sources),
+            hypotheses = decode.translate(search, params, self.corpus.tokenizer, list(sources),
                                           self.settings.decode.batch_size, self.model_config.position_limit)
             scores[split] = metrics.bleu(hypotheses, list(references), target_lang=self.settings.data.target_lang)
             scores[split]["decode_seconds"] = time.perf_counter() - start
             if self.is_writer:
                 step = int(self.state.step)
-                path = os.path.join(self.workdir, f"translations_{split}_step{step}.txt")
+                path = os.path.join(self.workdir, f"translations_{split}_{prefix}step{step}.txt")
                 with open(path, "w", encoding="utf-8") as handle:
                     handle.writelines(h + "\n" for h in hypotheses)
         return scores
@@ -395,7 +398,9 @@ class Run:
         writer = metrics.MetricWriter(self.workdir, enabled=self.is_writer, resume_step=start_step)
         progress = metrics.Progress(train_config.num_train_steps, start_step)
         search = self.search_fn()
-        pending, last_time, last_step, train_seconds = [], time.perf_counter(), start_step, 0.0
+        pending, last_time, last_step = [], time.perf_counter(), start_step
+        self.train_seconds = train_seconds = previous_train_seconds(self.workdir, start_step)
+        budget_seconds = train_config.max_train_minutes * 60 or float("inf")
         for step in range(start_step + 1, train_config.num_train_steps + 1):
             batch, data_state = next(batches)
             self.state, step_metrics = train(self.state, batch)
@@ -406,6 +411,8 @@ class Run:
                 summary = summarize(jax.device_get(pending))  # the loop's only host sync
                 now = time.perf_counter()
                 train_seconds += now - last_time
+                self.train_seconds = train_seconds
+                summary["train_seconds"] = train_seconds  # training only: no compilation or evaluation
                 summary.update(throughput_metrics(summary, self.model_config, now - last_time, step - last_step,
                                                   peak_flops))
                 if not np.isfinite(summary["loss"]):
@@ -420,6 +427,11 @@ class Run:
                                f"({summary['all_tokens_per_second']:.0f} with source), "
                                f"MFU {summary.get('mfu', float('nan')):.3f}, ETA {eta:.0f}s")
                 pending, last_time, last_step = [], time.perf_counter(), step
+                if train_seconds >= budget_seconds:
+                    progress.write(f"step {step}: the time budget of train.max_train_minutes="
+                                   f"{train_config.max_train_minutes:g} is spent ({train_seconds:.0f}s of training)")
+                    self.checkpointer.save(step, self.state, data_state=data_state, force=True)
+                    break
             if step != train_config.num_train_steps:  # the final step is evaluated after the loop
                 paused = time.perf_counter()
                 if train_config.eval_every_steps and step % train_config.eval_every_steps == 0:
@@ -436,7 +448,11 @@ class Run:
             self.checkpointer.save(int(self.state.step), self.state, data_state=data_state or self.data_state,
                                    force=True)
         result["valid"] = self._report_loss(evaluate, writer, progress)
-        result["bleu"] = self._report_bleu(search, settings.decode.splits, writer, progress)
+        params, averaged = self.final_params()
+        if averaged:
+            result["averaged_steps"] = averaged
+        result["bleu"] = self._report_bleu(search, settings.decode.splits, writer, progress, params=params,
+                                           prefix="avg_" if averaged else "")
         self.checkpointer.wait()
         self.checkpointer.close()
         if self.best_checkpointer is not None:
@@ -447,6 +463,17 @@ class Run:
             with open(os.path.join(self.workdir, "scores.json"), "w", encoding="utf-8") as handle:
                 json.dump(result, handle, indent=2)
         return result
+
+    def final_params(self) -> tuple[dict, list[int]]:
+        """The parameters the end of the run scores: with decode.average_last > 1, the mean of the last
+        checkpoints (the paper's averaging), else the final ones."""
+        self.checkpointer.wait()
+        steps = self.checkpointer.all_steps()[-self.settings.decode.average_last:]
+        if self.settings.decode.average_last <= 1 or len(steps) < 2:
+            return self.state.params, []
+        abstract = abstract_train_state(self.model_config, self.optimizer, self.settings.seed, self.state_shardings)
+        log.info("averaging the parameters of the checkpoints of steps %s", steps)
+        return self.checkpointer.average(abstract, steps).params, steps
 
     def train_iterator(self, start_step: int):
         """The grain iterator of this process's training batches, positioned after batch `start_step`."""
@@ -469,16 +496,18 @@ class Run:
                        f"perplexity {scores['perplexity']:.2f}")
         return scores
 
-    def _report_bleu(self, search, splits, writer, progress) -> dict[str, dict[str, Any]]:
-        scores = self.evaluate_bleu(search, splits)
+    def _report_bleu(self, search, splits, writer, progress, params=None, prefix: str = ""
+                     ) -> dict[str, dict[str, Any]]:
+        scores = self.evaluate_bleu(search, splits, params, prefix)
         step = int(self.state.step)
         # Only the dev set chooses checkpoints; the test set never does.
-        if self.best_checkpointer is not None and "valid" in scores \
+        if self.best_checkpointer is not None and "valid" in scores and not prefix \
                 and step not in self.best_checkpointer.all_steps():
             self.best_checkpointer.save(step, self.state, force=True, metrics={"valid_bleu": scores["valid"]["bleu"]})
         for split, score in scores.items():
-            writer.write(step, {"bleu": score["bleu"], "decode_seconds": score["decode_seconds"]}, f"{split}_bleu")
-            progress.write(f"step {step}: {split} BLEU {score['bleu']:.2f} ({score['signature']}), "
+            writer.write(step, {"bleu": score["bleu"], "decode_seconds": score["decode_seconds"],
+                                "train_seconds": self.train_seconds}, f"{prefix}{split}_bleu")
+            progress.write(f"step {step}: {prefix}{split} BLEU {score['bleu']:.2f} ({score['signature']}), "
                            f"decoded in {score['decode_seconds']:.1f}s")
         return scores
 
@@ -491,7 +520,20 @@ class Run:
 RESUMABLE_CHANGES = ("train.num_train_steps", "train.log_every_steps", "train.eval_every_steps",
                      "train.bleu_every_steps", "train.checkpoint_every_steps", "train.keep_checkpoints",
                      "train.async_checkpointing", "decode.", "mesh.", "train.num_microbatches",
-                     "train.keep_best_checkpoint")
+                     "train.keep_best_checkpoint", "train.max_train_minutes")
+
+
+def previous_train_seconds(workdir: str, start_step: int) -> float:
+    """The training seconds a stopped run had spent up to start_step (its last train record in
+    metrics.jsonl), so that train.max_train_minutes and the time-to-BLEU curve count the whole run."""
+    path, seconds = os.path.join(workdir, "metrics.jsonl"), 0.0
+    if start_step and os.path.exists(path):
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                record = json.loads(line) if line.strip() else {}
+                if record.get("split") == "train" and record["step"] <= start_step and "train_seconds" in record:
+                    seconds = record["train_seconds"]
+    return seconds
 
 
 def check_resume_config(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict) -> None:
