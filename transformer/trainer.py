@@ -619,7 +619,7 @@ def restore(workdir: str, step: int | None = None, *, average_last: int = 0, bes
         model_config = settings.model_config(tokenizer.vocab_size)
         optimizer, _ = make_optimizer(settings.optimizer, model_config.emb_dim)
         # Into this machine's devices (data parallel), whatever mesh and process count wrote the checkpoint.
-        mesh_config = sharding.MeshConfig()
+        mesh_config = sharding.MeshConfig(rules=settings.mesh.rules)
         shardings = state_shardings(model_config, optimizer, sharding.make_mesh(mesh_config), mesh_config)
         abstract = abstract_train_state(model_config, optimizer, settings.seed, shardings)
         state = checkpointer.average(abstract, averaged) if len(averaged) > 1 else checkpointer.restore(abstract, step)
