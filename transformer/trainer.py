@@ -470,7 +470,10 @@ def restore(workdir: str, step: int | None = None) -> Restored:
         step = checkpointer.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {checkpointer.directory}")
-        state = checkpointer.restore(abstract_train_state(model_config, optimizer, settings.seed), step)
+        # Onto this process's devices (data parallel over all of them), whatever mesh or hosts saved it.
+        mesh_config = sharding.MeshConfig(rules=settings.mesh.rules)
+        shardings = state_shardings(model_config, optimizer, sharding.make_mesh(mesh_config), mesh_config)
+        state = checkpointer.restore(abstract_train_state(model_config, optimizer, settings.seed, shardings), step)
     finally:
         checkpointer.close()
     return Restored(settings, model_config, model_graphdef(model_config), state.params, tokenizer, step)
