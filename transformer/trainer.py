@@ -418,7 +418,8 @@ class Run:
                 if not np.isfinite(summary["loss"]):
                     raise FloatingPointError(f"non-finite training loss {summary['loss']} at step {step}; "
                                              f"last checkpoint: {self.checkpointer.latest_step()}")
-                eta = (train_config.num_train_steps - step) / summary["steps_per_second"]
+                eta = min((train_config.num_train_steps - step) / summary["steps_per_second"],
+                          max(budget_seconds - train_seconds, 0.0))
                 writer.write(step, summary, "train")
                 progress.update(step - last_step, summary)
                 progress.write(f"step {step}: loss {summary['loss']:.4f} acc {summary['accuracy']:.3f} "
