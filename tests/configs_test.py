@@ -18,7 +18,7 @@ CONFIG_NAMES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(C
 
 def load(name):
     module = importlib.import_module(f"configs.{name}")
-    return module.get_config("/some/text/dir") if name == "multi30k" else module.get_config()
+    return module.get_config("/some/text/dir") if name in ("multi30k", "europarl") else module.get_config()
 
 
 @pytest.mark.parametrize("name", CONFIG_NAMES)
