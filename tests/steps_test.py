@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from transformer.model import ModelConfig
 from transformer.optim import OptimizerConfig, make_optimizer
