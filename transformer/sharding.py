@@ -152,8 +152,8 @@ def check_batch_divisible(rows: int, mesh: Mesh, config: MeshConfig, what: str) 
 def place_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
     """A global host batch -> global device arrays, each process copying only the rows its devices hold.
 
-    Every process holds the same global batch (the data order is a pure function of the seed and step); a
-    per-process input pipeline would call jax.make_array_from_process_local_data here instead.
+    For batches every process holds whole (evaluation, benchmarks). Training batches come from the
+    per-process pipeline and are placed by data.global_batch (jax.make_array_from_process_local_data).
     """
     return {key: jax.make_array_from_callback(value.shape, sharding, lambda index, value=value: value[index])
             for key, value in batch.items()}
