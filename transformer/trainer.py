@@ -399,7 +399,7 @@ class Run:
         progress = metrics.Progress(train_config.num_train_steps, start_step)
         search = self.search_fn()
         pending, last_time, last_step = [], time.perf_counter(), start_step
-        self.train_seconds = train_seconds = previous_train_seconds(self.workdir, start_step)
+        self.train_seconds = previous_train_seconds(self.workdir, start_step)  # read by _report_bleu
         budget_seconds = train_config.max_train_minutes * 60 or float("inf")
         for step in range(start_step + 1, train_config.num_train_steps + 1):
             batch, data_state = next(batches)
@@ -410,16 +410,15 @@ class Run:
                     or step == train_config.num_train_steps:
                 summary = summarize(jax.device_get(pending))  # the loop's only host sync
                 now = time.perf_counter()
-                train_seconds += now - last_time
-                self.train_seconds = train_seconds
-                summary["train_seconds"] = train_seconds  # training only: no compilation or evaluation
+                self.train_seconds += now - last_time
+                summary["train_seconds"] = self.train_seconds  # training only: no compilation or evaluation
                 summary.update(throughput_metrics(summary, self.model_config, now - last_time, step - last_step,
                                                   peak_flops))
                 if not np.isfinite(summary["loss"]):
                     raise FloatingPointError(f"non-finite training loss {summary['loss']} at step {step}; "
                                              f"last checkpoint: {self.checkpointer.latest_step()}")
                 eta = min((train_config.num_train_steps - step) / summary["steps_per_second"],
-                          max(budget_seconds - train_seconds, 0.0))
+                          max(budget_seconds - self.train_seconds, 0.0))
                 writer.write(step, summary, "train")
                 progress.update(step - last_step, summary)
                 progress.write(f"step {step}: loss {summary['loss']:.4f} acc {summary['accuracy']:.3f} "
@@ -428,9 +427,9 @@ class Run:
                                f"({summary['all_tokens_per_second']:.0f} with source), "
                                f"MFU {summary.get('mfu', float('nan')):.3f}, ETA {eta:.0f}s")
                 pending, last_time, last_step = [], time.perf_counter(), step
-                if train_seconds >= budget_seconds:
+                if self.train_seconds >= budget_seconds:
                     progress.write(f"step {step}: the time budget of train.max_train_minutes="
-                                   f"{train_config.max_train_minutes:g} is spent ({train_seconds:.0f}s of training)")
+                                   f"{train_config.max_train_minutes:g} is spent ({self.train_seconds:.0f}s of training)")
                     self.checkpointer.save(step, self.state, data_state=data_state, force=True)
                     break
             if step != train_config.num_train_steps:  # the final step is evaluated after the loop
@@ -444,7 +443,8 @@ class Run:
         progress.close()
         if hasattr(iterator, "close"):
             iterator.close()  # stops grain's worker processes
-        result = {"step": int(self.state.step), "compile_seconds": compile_seconds, "train_seconds": train_seconds}
+        result = {"step": int(self.state.step), "compile_seconds": compile_seconds,
+                  "train_seconds": self.train_seconds}
         if int(self.state.step) not in self.checkpointer.all_steps():
             self.checkpointer.save(int(self.state.step), self.state, data_state=data_state or self.data_state,
                                    force=True)
