@@ -61,6 +61,11 @@ def test_unknown_and_invalid_settings_fail_naming_the_key():
     config.decode.bleu_splits = "valid,dev"
     with pytest.raises(ValueError, match="'dev'"):
         Settings.from_config(config)
+    for marks, message in (("20,x", "report_minutes='20,x' must be comma-separated"), ("20,60", "has 60: each mark")):
+        config = load("default")
+        config.train.max_train_minutes, config.train.report_minutes = 60.0, marks
+        with pytest.raises(ValueError, match=message):
+            Settings.from_config(config)
 
 
 @pytest.mark.parametrize("name, dropout, steps, averaged", [("base", 0.1, 100_000, 5), ("big", 0.3, 300_000, 20)])

@@ -284,3 +284,22 @@ def test_a_time_budget_stops_the_run_then_the_last_checkpoints_are_averaged_and_
     plotted = run_script("scripts/plot_bleu_curve.py", f"--workdirs={workdir}", f"--output={png}")
     assert plotted.returncode == 0, plotted.stderr[-3000:]
     assert "step 2" in plotted.stdout and png.stat().st_size > 1000
+
+
+def test_a_report_mark_scores_the_averaged_checkpoints_then_training_goes_on(tmp_path):
+    """train.report_minutes: at the first log step past a mark, what a run with that budget would end with
+    (the last checkpoints averaged, decoded, scored); then training carries on to its end."""
+    workdir = tmp_path / "marks"
+    config = make_tiny_config(**{"train.num_train_steps": 4, "train.report_minutes": "1e-5",
+                                 "train.checkpoint_every_steps": 1, "train.keep_checkpoints": 3,
+                                 "train.eval_every_steps": 0, "decode.average_last": 2, "decode.bleu_splits": "valid"})
+    result = trainer.Run(config, str(workdir)).train()
+    # The first check is at step 1 (a checkpoint step), with one checkpoint: nothing to average yet.
+    (mark,) = result["reports"].values()
+    assert mark["step"] == 1 and mark["averaged_steps"] == [] and 0 < mark["train_seconds"] < result["train_seconds"]
+    assert result["step"] == 4 and result["averaged_steps"] == [3, 4]
+    assert (workdir / "translations_valid_step1.txt").exists() and (workdir / "translations_valid_avg_step4.txt").exists()
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "valid_bleu"] == [1]
+    assert [r["step"] for r in records if r["split"] == "avg_valid_bleu"] == [4]
+    assert json.loads((workdir / "scores.json").read_text())["reports"] == json.loads(json.dumps(result["reports"]))

@@ -124,6 +124,8 @@ class Checkpointer:
         `data_state`: the data iterator's state after the batch of `step` (see IteratorState)."""
         if not force and step % self.save_every_steps:
             return False
+        if step == self.manager.latest_step():  # already saved by a forced save (a train.report_minutes mark)
+            return False
         items = {STATE_ITEM: ocp.args.StandardSave(state)}
         if data_state is not None:
             items[DATA_ITEM] = grain.checkpoint.CheckpointSave(IteratorState(data_state))

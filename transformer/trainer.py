@@ -46,6 +46,7 @@ class TrainConfig:
     dropout_rng: str = "threefry2x32"
     keep_best_checkpoint: bool = False  # also keep the checkpoint of the best dev (valid) BLEU in workdir/best_checkpoint
     max_train_minutes: float = 0.0  # stop once this much training time is spent (0: no budget)
+    report_minutes: str = ""  # e.g. "20": at these training minutes also average, decode and score, then go on
 
     def __post_init__(self):
         if self.num_microbatches < 1:
@@ -59,8 +60,23 @@ class TrainConfig:
                 raise ValueError(f"train.{name}={getattr(self, name)} must be positive")
         if self.max_train_minutes < 0:
             raise ValueError(f"train.max_train_minutes={self.max_train_minutes} must be >= 0")
+        self.report_marks  # validates the list now
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"train.label_smoothing={self.label_smoothing} must be in [0, 1)")
+
+    @property
+    def report_marks(self) -> list[float]:
+        """train.report_minutes as sorted minutes, each inside the budget (the end of the run reports anyway)."""
+        try:
+            marks = sorted(float(m) for m in self.report_minutes.split(",") if m.strip())
+        except ValueError as error:
+            raise ValueError(f"train.report_minutes={self.report_minutes!r} must be comma-separated minutes, "
+                             f"e.g. '20' or '20,40'") from error
+        for mark in marks:
+            if mark <= 0 or (self.max_train_minutes and mark >= self.max_train_minutes):
+                raise ValueError(f"train.report_minutes has {mark:g}: each mark must be > 0 and below "
+                                 f"train.max_train_minutes={self.max_train_minutes:g} (the end reports anyway)")
+        return marks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,6 +417,9 @@ class Run:
         pending, last_time, last_step = [], time.perf_counter(), start_step
         self.train_seconds = previous_train_seconds(self.workdir, start_step)  # read by _report_bleu
         budget_seconds = train_config.max_train_minutes * 60 or float("inf")
+        # Marks already passed before a resume were reported by the earlier part of the run.
+        marks = [m for m in train_config.report_marks if m * 60 > self.train_seconds]
+        reports = {}
         for step in range(start_step + 1, train_config.num_train_steps + 1):
             batch, data_state = next(batches)
             self.state, step_metrics = train(self.state, batch)
@@ -432,6 +451,12 @@ class Run:
                                    f"{train_config.max_train_minutes:g} is spent ({self.train_seconds:.0f}s of training)")
                     self.checkpointer.save(step, self.state, data_state=data_state, force=True)
                     break
+                if marks and self.train_seconds >= marks[0] * 60:
+                    self.checkpointer.save(step, self.state, data_state=data_state, force=True)
+                    paused = time.perf_counter()
+                    while marks and self.train_seconds >= marks[0] * 60:
+                        reports[f"{marks.pop(0):g}"] = self._report_at_mark(search, writer, progress)
+                    last_time += time.perf_counter() - paused  # scoring does not count as training time
             if step != train_config.num_train_steps:  # the final step is evaluated after the loop
                 paused = time.perf_counter()
                 if train_config.eval_every_steps and step % train_config.eval_every_steps == 0:
@@ -449,6 +474,8 @@ class Run:
             self.checkpointer.save(int(self.state.step), self.state, data_state=data_state or self.data_state,
                                    force=True)
         result["valid"] = self._report_loss(evaluate, writer, progress)
+        if reports:
+            result["reports"] = reports
         params, averaged = self.final_params()
         if averaged:
             result["averaged_steps"] = averaged
@@ -475,6 +502,18 @@ class Run:
         abstract = abstract_train_state(self.model_config, self.optimizer, self.settings.seed, self.state_shardings)
         log.info("averaging the parameters of the checkpoints of steps %s", steps)
         return self.checkpointer.average(abstract, steps).params, steps
+
+    def _report_at_mark(self, search, writer, progress) -> dict[str, Any]:
+        """What the end of a run with this budget would report (train.report_minutes): the mean of the last
+        checkpoints, decoded and scored on decode.bleu_splits. Nothing here feeds back into training, so
+        scoring the test split is as safe as at the end."""
+        params, averaged = self.final_params()
+        progress.write(f"step {int(self.state.step)}: train.report_minutes mark reached after "
+                       f"{self.train_seconds:.0f}s of training")
+        bleu = self._report_bleu(search, self.settings.decode.splits, writer, progress, params=params,
+                                 prefix="avg_" if averaged else "")
+        return {"step": int(self.state.step), "train_seconds": self.train_seconds, "averaged_steps": averaged,
+                "bleu": bleu}
 
     def train_iterator(self, start_step: int):
         """The grain iterator of this process's training batches, positioned after batch `start_step`."""
@@ -521,7 +560,7 @@ class Run:
 RESUMABLE_CHANGES = ("train.num_train_steps", "train.log_every_steps", "train.eval_every_steps",
                      "train.bleu_every_steps", "train.checkpoint_every_steps", "train.keep_checkpoints",
                      "train.async_checkpointing", "decode.", "mesh.", "train.num_microbatches",
-                     "train.keep_best_checkpoint", "train.max_train_minutes")
+                     "train.keep_best_checkpoint", "train.max_train_minutes", "train.report_minutes")
 
 
 def previous_train_seconds(workdir: str, start_step: int) -> float:
