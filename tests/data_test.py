@@ -4,7 +4,7 @@ import os
 import numpy as np
 import pytest
 
-from transformer import data
+from transformer import data, sharding
 from transformer.sources import DataError
 from transformer.tokenizer import EOS_ID, Tokenizer, VocabularyError, train_tokenizer
 
@@ -152,9 +152,9 @@ def test_worker_processes_give_a_restorable_stream(cache):
     assert len(pairs) == len(set(pairs)) or len(pairs) > len(RANDOM_LENGTHS)
 
 
-def test_global_batch_on_one_process_is_the_local_batch(cache):
+def test_placing_local_rows_on_one_process_gives_the_local_batch(cache):
     batch, _ = stream(cache, count=1)
-    placed = data.global_batch(batch[0])
+    placed = sharding.place_local_batch(batch[0])
     for key in data.MODEL_KEYS:
         assert placed[key].shape == (8, 32)
         np.testing.assert_array_equal(np.asarray(placed[key]), batch[0][key])

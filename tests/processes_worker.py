@@ -11,14 +11,14 @@ jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processe
 
 import numpy as np  # noqa: E402
 
-from transformer import data  # noqa: E402
+from transformer import data, sharding  # noqa: E402
 
 shard = data.Shard.of_process()
 cache = data.TokenCache(cache_dir)
 iterator = iter(data.train_dataset(cache, np.arange(len(cache)), seed=1, max_length=32, rows_per_batch=8,
                                    shard=shard))
 local = next(iterator)
-placed = data.global_batch(local)
+placed = sharding.place_local_batch(local)
 print(json.dumps({
     "shard": [shard.index, shard.count], "global_shape": list(placed["targets"].shape),
     "local_rows": local["targets"].shape[0],

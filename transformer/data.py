@@ -561,17 +561,6 @@ def batch_shapes(rows_per_batch: int, max_length: int) -> dict[str, jax.ShapeDty
     return {key: jax.ShapeDtypeStruct((rows_per_batch, max_length), np.int32) for key in MODEL_KEYS}
 
 
-def global_batch(local_batch: Batch, sharding: jax.sharding.Sharding | None = None) -> dict[str, jax.Array]:
-    """This process's rows -> global arrays whose batch axis spans every process's rows.
-
-    The default sharding splits the batch axis over all devices (pure data parallelism); a mesh with other
-    axes passes its own batch sharding."""
-    if sharding is None:
-        mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))
-        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-    return {key: jax.make_array_from_process_local_data(sharding, value) for key, value in local_batch.items()}
-
-
 def packing_stats(batch: Batch) -> dict[str, float]:
     """Padding fraction of each side and the number of sentence pairs in a packed batch."""
     return {"inputs_padding": float((batch["inputs_segmentation"] == 0).mean()),

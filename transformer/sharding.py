@@ -153,10 +153,22 @@ def place_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[s
     """A global host batch -> global device arrays, each process copying only the rows its devices hold.
 
     For batches every process holds whole (evaluation, benchmarks). Training batches come from the
-    per-process pipeline and are placed by data.global_batch (jax.make_array_from_process_local_data).
+    per-process pipeline and are placed by place_local_batch.
     """
     return {key: jax.make_array_from_callback(value.shape, sharding, lambda index, value=value: value[index])
             for key, value in batch.items()}
+
+
+def place_local_batch(local_batch: dict[str, np.ndarray], sharding: NamedSharding | None = None
+                      ) -> dict[str, jax.Array]:
+    """This process's rows (the data pipeline gives each process its block of the global batch) -> global
+    arrays whose batch axis spans every process's rows.
+
+    The default sharding splits the batch axis over all devices (pure data parallelism); a mesh with other
+    axes passes its own batch sharding."""
+    if sharding is None:
+        sharding = NamedSharding(Mesh(np.asarray(jax.devices()), ("data",)), PartitionSpec("data"))
+    return {key: jax.make_array_from_process_local_data(sharding, value) for key, value in local_batch.items()}
 
 
 def with_shardings(abstract_tree: PyTree, shardings: PyTree) -> PyTree:

@@ -257,7 +257,7 @@ def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
 def place_batch(local_batch: dict[str, np.ndarray], batch_sharding) -> dict[str, jax.Array]:
     """The one place training batches meet the devices: this process's rows -> global arrays split over the
     mesh's batch axes."""
-    return data.global_batch(local_batch, batch_sharding)
+    return sharding.place_local_batch(local_batch, batch_sharding)
 
 
 def batches_with_states(iterator) -> Iterator[tuple[dict, bytes]]:
