@@ -246,8 +246,8 @@ def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
         if split in pairs:
             examples[split], dropped = data.filter_by_length(data.tokenize(tokenizer, pairs[split]),
                                                              settings.data.max_length)
-            log.info("%s: %d pairs, %d dropped for length > %d tokens", split, len(examples[split]), dropped,
-                     settings.data.max_length)
+            log.info("%s loss: %d pairs, %d longer than %d tokens left out (BLEU decodes them all)", split,
+                     len(examples[split]), dropped, settings.data.max_length)
             if not examples[split]:
                 raise data.DataError(f"every {split} pair is longer than data.max_length="
                                      f"{settings.data.max_length} tokens")
