@@ -3,9 +3,10 @@
 Every search is a pure function of (params, inputs), compiled once per input shape with `lax.while_loop`:
 
   * the encoder runs once per batch, and the cross-attention keys/values of every decoder layer are computed
-    once per source sentence (`Transformer.init_cache`) and reused at every step; beam search computes them at
-    the batch size and repeats them for the beams, so the beams never recompute them and reordering beams
-    never moves them (all beams of a sentence share one source);
+    once per source sentence (`Transformer.init_cache`) and reused at every step; beam search keeps them at the
+    batch size, and a sentence's beams read them as that many queries (never repeated, never reordered);
+  * beam search never moves the self-attention cache when beams reorder: each hypothesis reads its history
+    through an ancestor table and the attention mask (`_beam_step`);
   * each step feeds one token per hypothesis through `Transformer.decode_step`, which appends its key/value to
     the self-attention cache.
 
