@@ -190,3 +190,12 @@ def test_sampling_is_seeded_and_top_k_one_is_greedy(model_and_search):
     first = np.asarray(seed_0(params, INPUTS))
     np.testing.assert_array_equal(seed_0(params, INPUTS), first)
     assert (np.asarray(seed_1(params, INPUTS)) != first).any() and not first[2].any()
+
+
+def test_blockwise_top_k_equals_lax_top_k():
+    from transformer.decode import _top_k
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 4000))
+    values, indices = jax.jit(_top_k, static_argnums=1)(x, 8)
+    expected_values, expected_indices = jax.lax.top_k(x, 8)
+    np.testing.assert_array_equal(values, expected_values)
+    np.testing.assert_array_equal(indices, expected_indices)

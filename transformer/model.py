@@ -193,19 +193,19 @@ def dot_product_attention(query: Array, key: Array, value: Array, mask: Array, d
     mask [batch, 1, q_length, k_length] -> [batch, q_length, heads, head_dim].
     """
     query = query / jnp.sqrt(query.shape[-1]).astype(query.dtype)
-    single = query.shape[1] == 1  # one decoding step
-    if single:
+    few = query.shape[1] <= 8  # one decoding step (of each beam of a sentence in decode.beam_search)
+    if few:
         # XLA's CPU backend runs these batched matrix-vector products as batch x heads tiny dots, several times
         # slower than a fused multiply-and-sum; the sums are the same.
-        logits = jnp.sum(query.astype(jnp.float32) * key.astype(jnp.float32), axis=-1)  # [batch, k_length, heads]
-        logits = jnp.transpose(logits, (0, 2, 1))[:, :, None, :]
+        logits = jnp.sum(query.astype(jnp.float32)[:, :, None] * key.astype(jnp.float32)[:, None], axis=-1)
+        logits = jnp.transpose(logits, (0, 3, 1, 2))  # [batch, heads, q_length, k_length]
     else:
         logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
     weights = dropout(weights, deterministic=deterministic, rngs=rngs)
-    if single:
-        return jnp.sum(jnp.transpose(weights[:, :, 0, :], (0, 2, 1))[..., None] * value, axis=1)[:, None]
+    if few:
+        return jnp.sum(jnp.transpose(weights, (0, 2, 3, 1))[..., None] * value[:, None], axis=2)
     return jnp.einsum("bhqk,bkhd->bqhd", weights, value)
 
 
