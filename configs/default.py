@@ -77,6 +77,7 @@ def get_config() -> ml_collections.ConfigDict:
     train.async_checkpointing = True  # save in the background while training goes on
     train.keep_best_checkpoint = False  # also keep the best-dev-BLEU checkpoint in workdir/best_checkpoint (valid only)
     train.max_train_minutes = 0.0  # a CPU/GPU-time budget: stop after this many minutes of training (0: none)
+    train.report_minutes = ""  # e.g. "20": at these training minutes also score the averaged last checkpoints
     train.num_microbatches = 1  # gradient accumulation: split each batch into N sequential slices, one update
     train.dropout_rng = "threefry2x32"  # threefry2x32 (same masks on any mesh) | rbg | unsafe_rbg (cheaper on CPU)
 

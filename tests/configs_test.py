@@ -1,5 +1,6 @@
 """Every file in configs/ loads, resolves into typed settings, and builds its model under jax.eval_shape."""
 
+import dataclasses
 import glob
 import importlib
 import os
@@ -8,8 +9,10 @@ import jax
 import numpy as np
 import pytest
 
-from transformer.optim import make_optimizer
-from transformer.trainer import Settings, abstract_train_state
+from transformer import data, sharding
+from transformer.model import ModelConfig
+from transformer.optim import OptimizerConfig, make_optimizer
+from transformer.trainer import DecodeConfig, Settings, TrainConfig, abstract_train_state
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
 CONFIG_NAMES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))
@@ -29,6 +32,18 @@ def test_config_builds_under_eval_shape(name):
     state = abstract_train_state(model_config, optimizer, settings.seed)
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     assert num_params > 0 and all(x.dtype == np.float32 for x in jax.tree.leaves(state.params))
+
+
+def test_every_setting_is_in_the_default_config_so_the_command_line_can_override_it():
+    """--config.x.y=v only overrides keys configs/default.py defines: a field missing there is unreachable."""
+    config = load("default")
+    sections = {"data": data.DataConfig, "model": ModelConfig, "optimizer": OptimizerConfig, "train": TrainConfig,
+                "decode": DecodeConfig, "mesh": sharding.MeshConfig}
+    for section, kind in sections.items():
+        fields = {f.name for f in dataclasses.fields(kind)}
+        if section == "model":
+            fields.remove("vocab_size")  # the tokenizer's (data.vocab_size asks for it), not a model setting
+        assert fields == set(config[section].keys()), section
 
 
 def test_the_expected_configs_exist():
