@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from transformer.model import ModelConfig, Transformer, attention, attention_mask
+from transformer.model import ModelConfig, Transformer, attention, attention_mask, dot_product_attention
 
 
 def packed_segments():
@@ -30,6 +30,25 @@ def test_xla_attention_equals_the_reference_with_padding_causal_and_packed_masks
     xla = attention("xla", query, key, value, mask, dropout, **kw)
     real = np.asarray(segmentation != 0)  # padding queries attend to nothing: their output is unused
     np.testing.assert_allclose(np.asarray(xla)[real], np.asarray(reference)[real], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, atol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_fused_short_query_path_equals_the_einsum_path(causal, dtype, atol):
+    """The reference takes a multiply-and-sum path for up to 8 queries (decoding steps, short sentences) and
+    einsum above: both compute the same sums, under padding, causal masks and packed segments."""
+    keys = jax.random.split(jax.random.PRNGKey(1), 3)
+    query, key, value = (jax.random.normal(k, (3, 8, 2, 16)).astype(dtype) for k in keys)
+    segmentation = packed_segments()
+    mask = attention_mask(segmentation, segmentation, causal=causal)
+    kw = dict(deterministic=True, rngs=None)
+    real = np.asarray(segmentation != 0)
+    for length in (2, 5, 8):  # queries; the keys stay 8
+        fused, plain = (dot_product_attention(query[:, :length], key, value, mask[:, :, :length], nnx.Dropout(0.0),
+                                              fused=flag, **kw) for flag in (True, False))
+        assert fused.dtype == plain.dtype == dtype
+        np.testing.assert_allclose(np.asarray(fused, np.float32)[real[:, :length]],
+                                   np.asarray(plain, np.float32)[real[:, :length]], atol=atol)
 
 
 def test_the_model_gives_the_same_logits_with_either_implementation():

@@ -151,7 +151,7 @@ def test_alpha_moves_the_exhaustive_winner_towards_longer_outputs(tiny_model):
     assert all(b >= a for a, b in zip(*lengths)) and lengths[0] != lengths[1], lengths
 
 
-def test_beam_scores_equal_teacher_forced_log_probs_over_the_reordered_cache(model_and_search):
+def test_beam_scores_equal_teacher_forced_log_probs_through_the_ancestor_table(model_and_search):
     graphdef, params, _ = model_and_search
     sequences, scores = jitted_beam_search(params, INPUTS, graphdef=graphdef, beam_size=4, alpha=0.6, max_extra_length=6)
     assert np.all(np.asarray(scores[:2]) > NEG_INF / 2) and np.all(np.diff(np.asarray(scores[:2]), axis=1) <= 0)

@@ -302,4 +302,12 @@ def test_a_report_mark_scores_the_averaged_checkpoints_then_training_goes_on(tmp
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["split"] == "valid_bleu"] == [1]
     assert [r["step"] for r in records if r["split"] == "avg_valid_bleu"] == [4]
-    assert json.loads((workdir / "scores.json").read_text())["reports"] == json.loads(json.dumps(result["reports"]))
+    reports = json.loads(json.dumps(result["reports"]))
+    assert json.loads((workdir / "scores.json").read_text())["reports"] == reports
+    assert json.loads((workdir / trainer.REPORTS_FILE).read_text()) == reports
+    # A resumed run keeps the mark's scores (in reports.json) and does not score the mark again.
+    config.train.num_train_steps = 6
+    resumed = trainer.Run(config, str(workdir)).train()
+    assert resumed["step"] == 6 and json.loads(json.dumps(resumed["reports"])) == reports
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "valid_bleu"] == [1]

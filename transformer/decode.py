@@ -7,8 +7,9 @@ Every search is a pure function of (params, inputs), compiled once per input sha
     batch size, and a sentence's beams read them as that many queries (never repeated, never reordered);
   * beam search never moves the self-attention cache when beams reorder: each hypothesis reads its history
     through an ancestor table and the attention mask (`_beam_step`);
-  * each step feeds one token per hypothesis through `Transformer.decode_step`, which appends its key/value to
-    the self-attention cache.
+  * each step of greedy search and sampling feeds one token per sentence through `Transformer.decode_step`,
+    which appends its key/value to the self-attention cache; beam search feeds a sentence's beams together
+    (`_beam_step`).
 
 Lengths (the paper's "maximum output length input length + 50"): sentence i may produce up to
 `limit_i = (its real input length, EOS included) + max_extra_length` tokens, its EOS included; at position
@@ -150,7 +151,7 @@ def _beam_step(model, tokens: jax.Array, index: jax.Array, cache: PyTree, ancest
 def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """lax.top_k over the last axis, through blocks of 125 when the vocabulary splits into them: the k best
     entries lie in the k blocks with the largest maxima, so a top-k over the block maxima and one over those
-    k blocks replace one over the whole row, which XLA's CPU top-k runs ~2x slower at vocab 8k-32k. (Among
+    k blocks replace one over the whole row, which XLA's CPU top-k runs ~1.5x (vocab 8k) to ~2x (32k) slower. (Among
     exactly equal values the pick may differ from lax.top_k's lowest-index-first.)"""
     *lead, vocab = x.shape
     block = 125
@@ -232,7 +233,7 @@ def beam_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, be
         sequences = _gather_beams(carry["live_sequences"], from_beam)
         sequences = jax.lax.dynamic_update_slice(sequences, tokens[:, :, None], (0, 0, index))
         is_eos = tokens == EOS_ID
-        # Live: the best K extensions without EOS; the self-attention cache follows them.
+        # Live: the best K extensions without EOS; their histories follow them through the ancestor table.
         live_scores, keep = jax.lax.top_k(jnp.where(is_eos, NEG_INF, scores), beams)
         live = _gather_beams({"sequences": sequences, "tokens": tokens, "beam": from_beam}, keep)
         ancestors = _gather_beams(ancestors, live["beam"])  # the new live hypotheses' histories

@@ -186,14 +186,17 @@ def attention(implementation: str, query: Array, key: Array, value: Array, mask:
 
 
 def dot_product_attention(query: Array, key: Array, value: Array, mask: Array, dropout: nnx.Dropout, *,
-                          deterministic: bool, rngs: nnx.Rngs | None) -> Array:
+                          deterministic: bool, rngs: nnx.Rngs | None, fused: bool | None = None) -> Array:
     """softmax(Q K^T / sqrt(d_k)) V with a boolean mask; softmax in float32.
 
     query [batch, q_length, heads, head_dim], key/value [batch, k_length, heads, head_dim],
     mask [batch, 1, q_length, k_length] -> [batch, q_length, heads, head_dim].
+    fused (default: q_length <= 8) computes both products as multiply-and-sum instead of einsum.
     """
     query = query / jnp.sqrt(query.shape[-1]).astype(query.dtype)
-    few = query.shape[1] <= 8  # one decoding step (of each beam of a sentence in decode.beam_search)
+    # A decoding step has 1 query per sentence (the beams of a sentence in decode.beam_search: up to 8); any
+    # other pass this short (a short sentence, on any backend) takes the same path, with the same sums.
+    few = query.shape[1] <= 8 if fused is None else fused
     if few:
         # XLA's CPU backend runs these batched matrix-vector products as batch x heads tiny dots, several times
         # slower than a fused multiply-and-sum; the sums are the same.
@@ -306,9 +309,11 @@ class DecoderLayer(nnx.Module):
                  cache_index: Array | None = None) -> tuple[Array, dict[str, Array] | None]:
         """x [batch, length, embed], encoded [batch, src_length, embed] -> ([batch, length, embed], cache).
 
-        With a cache, x is the one new position `cache_index`: its key/value is written into the cache and
-        the query attends to every cached position (the mask hides the unwritten ones); cross-attention
-        reuses the encoder keys/values computed once by `Transformer.init_cache`.
+        With a cache, x holds the new cache rows from `cache_index` on (one position of one hypothesis, or in
+        decode.beam_search the same position of each beam of a sentence): their keys/values are written into
+        the cache and each query attends to the cached rows its mask shows (never unwritten ones, and in beam
+        search only its own hypothesis's); cross-attention reuses the encoder keys/values computed once by
+        `Transformer.init_cache`.
         """
         kw = dict(deterministic=deterministic, rngs=rngs)
 

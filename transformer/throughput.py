@@ -81,7 +81,9 @@ def cpu_peak_flops(cache_file: str = CACHE_FILE) -> float:
     """A measured float32 matmul peak of this CPU (2048^3, ~5 s the first time), cached per machine and JAX
     version, since no table knows a CPU's FLOP/s under its thread count. The best of 10 rather than the median:
     a peak measured while other jobs share the cores would be too low for every later run (MFU above 1)."""
-    key = f"{platform.node()}|{platform.processor() or platform.machine()}|{os.cpu_count()}|jax {jax.__version__}"
+    # The method is part of the key: a cache of the earlier median-of-5 measurement is measured again.
+    key = (f"{platform.node()}|{platform.processor() or platform.machine()}|{os.cpu_count()}|jax {jax.__version__}"
+           "|best of 10")
     try:
         with open(cache_file, encoding="utf-8") as handle:
             cached = json.load(handle)

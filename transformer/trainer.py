@@ -30,6 +30,7 @@ from transformer.tokenizer import Tokenizer
 CONFIG_FILE = "config.json"
 DROPOUT_RNGS = ("threefry2x32", "rbg", "unsafe_rbg")
 BEST_CHECKPOINT_DIR = "best_checkpoint"
+REPORTS_FILE = "reports.json"  # the train.report_minutes scores, by mark, written at each mark
 
 
 @dataclasses.dataclass(frozen=True)
@@ -417,9 +418,10 @@ class Run:
         pending, last_time, last_step = [], time.perf_counter(), start_step
         self.train_seconds = previous_train_seconds(self.workdir, start_step)  # read by _report_bleu
         budget_seconds = train_config.max_train_minutes * 60 or float("inf")
-        # Marks already passed before a resume were reported by the earlier part of the run.
-        marks = [m for m in train_config.report_marks if m * 60 > self.train_seconds]
-        reports = {}
+        # The marks an earlier part of this run scored are in workdir/reports.json; a mark it passed without
+        # scoring (stopped in between) is scored at the first check of this part.
+        reports = read_reports(self.workdir) if start_step else {}
+        marks = [m for m in train_config.report_marks if f"{m:g}" not in reports]
         for step in range(start_step + 1, train_config.num_train_steps + 1):
             batch, data_state = next(batches)
             self.state, step_metrics = train(self.state, batch)
@@ -454,8 +456,10 @@ class Run:
                 if marks and self.train_seconds >= marks[0] * 60:
                     self.checkpointer.save(step, self.state, data_state=data_state, force=True)
                     paused = time.perf_counter()
+                    report = self._report_at_mark(search, writer, progress)  # once for all the marks passed
                     while marks and self.train_seconds >= marks[0] * 60:
-                        reports[f"{marks.pop(0):g}"] = self._report_at_mark(search, writer, progress)
+                        reports[f"{marks.pop(0):g}"] = report
+                    self._write_reports(reports)
                     last_time += time.perf_counter() - paused  # scoring does not count as training time
             if step != train_config.num_train_steps:  # the final step is evaluated after the loop
                 paused = time.perf_counter()
@@ -474,13 +478,18 @@ class Run:
             self.checkpointer.save(int(self.state.step), self.state, data_state=data_state or self.data_state,
                                    force=True)
         result["valid"] = self._report_loss(evaluate, writer, progress)
-        if reports:
-            result["reports"] = reports
         params, averaged = self.final_params()
         if averaged:
             result["averaged_steps"] = averaged
         result["bleu"] = self._report_bleu(search, settings.decode.splits, writer, progress, params=params,
                                            prefix="avg_" if averaged else "")
+        # Marks passed in the same check as the budget: the end's scores are theirs.
+        for mark in [m for m in marks if self.train_seconds >= m * 60]:
+            reports[f"{mark:g}"] = {"step": result["step"], "train_seconds": self.train_seconds,
+                                    "averaged_steps": averaged, "bleu": result["bleu"]}
+        if reports:
+            result["reports"] = reports
+            self._write_reports(reports)
         self.checkpointer.wait()
         self.checkpointer.close()
         if self.best_checkpointer is not None:
@@ -514,6 +523,11 @@ class Run:
                                  prefix="avg_" if averaged else "")
         return {"step": int(self.state.step), "train_seconds": self.train_seconds, "averaged_steps": averaged,
                 "bleu": bleu}
+
+    def _write_reports(self, reports: dict[str, Any]) -> None:
+        if self.is_writer:
+            with open(os.path.join(self.workdir, REPORTS_FILE), "w", encoding="utf-8") as handle:
+                json.dump(reports, handle, indent=2)
 
     def train_iterator(self, start_step: int):
         """The grain iterator of this process's training batches, positioned after batch `start_step`."""
@@ -563,6 +577,15 @@ RESUMABLE_CHANGES = ("train.num_train_steps", "train.log_every_steps", "train.ev
                      "train.keep_best_checkpoint", "train.max_train_minutes", "train.report_minutes")
 
 
+def read_reports(workdir: str) -> dict[str, Any]:
+    """The train.report_minutes scores an earlier part of the run wrote (workdir/reports.json), by mark."""
+    path = os.path.join(workdir, REPORTS_FILE)
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
 def previous_train_seconds(workdir: str, start_step: int) -> float:
     """The training seconds a stopped run had spent up to start_step (its last train record in
     metrics.jsonl), so that train.max_train_minutes and the time-to-BLEU curve count the whole run."""
@@ -593,8 +616,8 @@ def check_resume_config(saved: ml_collections.ConfigDict, config: ml_collections
     if changed:
         details = ", ".join(f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in changed)
         raise ValueError(f"this workdir holds checkpoints of a run with another config ({details}). Resume with "
-                         "the same settings (see config.json there; only train.num_train_steps, the log/eval/"
-                         "checkpoint intervals and decode.* may change), or use a new --workdir.")
+                         "the same settings (see config.json there; only the keys starting with "
+                         f"{', '.join(RESUMABLE_CHANGES)} may change), or use a new --workdir.")
 
 
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
