@@ -456,7 +456,9 @@ class Run:
                 if marks and self.train_seconds >= marks[0] * 60:
                     self.checkpointer.save(step, self.state, data_state=data_state, force=True)
                     paused = time.perf_counter()
-                    report = self._report_at_mark(search, writer, progress)  # once for all the marks passed
+                    progress.write(f"step {step}: train.report_minutes mark reached after "
+                                   f"{self.train_seconds:.0f}s of training")
+                    report = self._score_final_params(search, writer, progress)  # once for all the marks passed
                     while marks and self.train_seconds >= marks[0] * 60:
                         reports[f"{marks.pop(0):g}"] = report
                     self._write_reports(reports)
@@ -478,15 +480,13 @@ class Run:
             self.checkpointer.save(int(self.state.step), self.state, data_state=data_state or self.data_state,
                                    force=True)
         result["valid"] = self._report_loss(evaluate, writer, progress)
-        params, averaged = self.final_params()
-        if averaged:
-            result["averaged_steps"] = averaged
-        result["bleu"] = self._report_bleu(search, settings.decode.splits, writer, progress, params=params,
-                                           prefix="avg_" if averaged else "")
+        final = self._score_final_params(search, writer, progress)
+        if final["averaged_steps"]:
+            result["averaged_steps"] = final["averaged_steps"]
+        result["bleu"] = final["bleu"]
         # Marks passed in the same check as the budget: the end's scores are theirs.
         for mark in [m for m in marks if self.train_seconds >= m * 60]:
-            reports[f"{mark:g}"] = {"step": result["step"], "train_seconds": self.train_seconds,
-                                    "averaged_steps": averaged, "bleu": result["bleu"]}
+            reports[f"{mark:g}"] = final
         if reports:
             result["reports"] = reports
             self._write_reports(reports)
@@ -512,13 +512,11 @@ class Run:
         log.info("averaging the parameters of the checkpoints of steps %s", steps)
         return self.checkpointer.average(abstract, steps).params, steps
 
-    def _report_at_mark(self, search, writer, progress) -> dict[str, Any]:
-        """What the end of a run with this budget would report (train.report_minutes): the mean of the last
-        checkpoints, decoded and scored on decode.bleu_splits. Nothing here feeds back into training, so
-        scoring the test split is as safe as at the end."""
+    def _score_final_params(self, search, writer, progress) -> dict[str, Any]:
+        """What the end of the run reports, also at each train.report_minutes mark: the mean of the last
+        checkpoints (final_params), decoded and scored on decode.bleu_splits. Nothing here feeds back into
+        training, so scoring the test split at a mark is as safe as at the end."""
         params, averaged = self.final_params()
-        progress.write(f"step {int(self.state.step)}: train.report_minutes mark reached after "
-                       f"{self.train_seconds:.0f}s of training")
         bleu = self._report_bleu(search, self.settings.decode.splits, writer, progress, params=params,
                                  prefix="avg_" if averaged else "")
         return {"step": int(self.state.step), "train_seconds": self.train_seconds, "averaged_steps": averaged,
