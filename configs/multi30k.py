@@ -39,6 +39,7 @@ def get_config(text_dir: str | None = None):
 
     config.optimizer.learning_rate_scale = 0.3  # peak lr ~1.5e-3 at 150 warmup steps for d_model 256
     config.optimizer.warmup_steps = 150
+    config.optimizer.cooldown_fraction = 0.25  # the last 5 of the 20 minutes decay the lr linearly to 0
 
     train = config.train
     train.max_train_minutes = 20.0  # the CPU budget; num_train_steps is only an upper bound
@@ -52,6 +53,6 @@ def get_config(text_dir: str | None = None):
 
     decode = config.decode
     decode.beam_size, decode.alpha = 4, 1.0  # alpha chosen on val (above)
-    decode.average_last = 5  # the end of the run scores the mean of the last 5 checkpoints
+    decode.average_last = 1  # the final parameters: at 20 minutes, averaging the last 5 lost 0.8 val BLEU (above)
     decode.bleu_splits = "valid,test"
     return config

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from transformer import optim
 from transformer.optim import OptimizerConfig, make_optimizer, rsqrt_schedule
 
 
@@ -34,3 +35,30 @@ def test_gradient_clipping_bounds_the_update():
 def test_bad_optimizer_settings_fail(bad):
     with pytest.raises(ValueError, match=list(bad)[0]):
         OptimizerConfig(**bad)
+
+
+def test_the_cooldown_decays_the_learning_rate_linearly_to_zero_from_where_it_was_set():
+    config = OptimizerConfig(learning_rate_scale=1.0, warmup_steps=2, cooldown_fraction=0.5)
+    optimizer, schedule = make_optimizer(config, emb_dim=4)
+    params = {"w": np.zeros(2, np.float32)}
+    state = optimizer.init(params)
+    assert optim.cooldown_steps(state) is None  # not begun: the paper's schedule
+    np.testing.assert_allclose(optim.learning_rate(schedule, 0, state), schedule(0))
+    state = optim.begin_cooldown(state, start=3, end=5)  # steps 3, 4, 5 get 3/3, 2/3, 1/3 of the schedule
+    assert optim.cooldown_steps(state) == (3, 5)
+    plain, _ = make_optimizer(OptimizerConfig(learning_rate_scale=1.0, warmup_steps=2), emb_dim=4)
+    plain_state = plain.init(params)
+    grads = {"w": np.array([1.0, -2.0], np.float32)}
+    for count, factor in enumerate([1, 1, 1, 2 / 3, 1 / 3, 0, 0]):  # count = updates applied = step - 1
+        np.testing.assert_allclose(optim.learning_rate(schedule, count, state), factor * schedule(count), rtol=1e-6)
+        updates, state = optimizer.update(grads, state, params)
+        reference, plain_state = plain.update(grads, plain_state, params)
+        np.testing.assert_allclose(updates["w"], factor * reference["w"], rtol=1e-6)
+
+
+def test_a_cooldown_needs_the_optimizer_to_have_one():
+    optimizer, _ = make_optimizer(OptimizerConfig(), emb_dim=4)
+    with pytest.raises(ValueError, match="cooldown_fraction"):
+        optim.begin_cooldown(optimizer.init({"w": np.zeros(2, np.float32)}), 1, 2)
+    with pytest.raises(ValueError, match="cooldown_fraction"):
+        OptimizerConfig(cooldown_fraction=1.0)

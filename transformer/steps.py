@@ -17,6 +17,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from transformer import optim
+
 PyTree = Any
 SUM_KEYS = ("loss", "nll", "correct", "denominator", "source_tokens",  # summed over batches and steps
             "encoder_pairs", "decoder_pairs", "cross_pairs")
@@ -156,7 +158,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics.update(grad_norm=optax.tree.norm(grads), update_norm=optax.tree.norm(updates),
-                   param_norm=optax.tree.norm(params), learning_rate=schedule(state.step))
+                   param_norm=optax.tree.norm(params),
+                   learning_rate=optim.learning_rate(schedule, state.step, state.opt_state))
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 

@@ -19,7 +19,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from transformer import data, decode, metrics, sharding, throughput
+from transformer import data, decode, metrics, optim, sharding, throughput
 from transformer.metrics import log
 from transformer.checkpoint import Checkpointer, abstract_like
 from transformer.model import ModelConfig, Transformer
@@ -316,6 +316,9 @@ class Run:
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
         self.config, self.workdir = config, workdir
+        self.is_writer = jax.process_index() == 0
+        if not self.is_writer:  # one console: process 0's, from the first line on
+            log.setLevel("WARNING")
         self.settings = settings = Settings.from_config(config)
         splits = ["train", "valid"] + [s for s in settings.decode.splits if s != "valid"]
         data.local_rows(settings.data.rows_per_batch, data.Shard.of_process())  # rows split over processes
@@ -344,9 +347,6 @@ class Run:
             self.best_checkpointer = Checkpointer(os.path.join(workdir, BEST_CHECKPOINT_DIR), save_every_steps=1,
                                                   keep=1, use_async=settings.train.async_checkpointing,
                                                   best_metric="valid_bleu")
-        self.is_writer = jax.process_index() == 0
-        if not self.is_writer:  # one console: process 0's
-            log.setLevel("WARNING")
         if self.is_writer:
             with open(os.path.join(workdir, CONFIG_FILE), "w", encoding="utf-8") as handle:
                 handle.write(config.to_json(indent=2))
@@ -422,16 +422,23 @@ class Run:
         # scoring (stopped in between) is scored at the first check of this part.
         reports = read_reports(self.workdir) if start_step else {}
         marks = [m for m in train_config.report_marks if f"{m:g}" not in reports]
+        cooldown = self.settings.optimizer.cooldown_fraction
+        self.cooldown = optim.cooldown_steps(self.state.opt_state)  # (start, end) once begun; kept by checkpoints
+        if cooldown and budget_seconds == float("inf") and self.cooldown is None:
+            # A run of fixed length knows its cooldown from the start; a time budget's is set in the loop.
+            steps = max(round(cooldown * train_config.num_train_steps), 1)
+            self._begin_cooldown(train_config.num_train_steps - steps + 1, train_config.num_train_steps, progress)
+        part_start = (start_step, self.train_seconds)  # this part's pace projects the cooldown's last step
         for step in range(start_step + 1, train_config.num_train_steps + 1):
             batch, data_state = next(batches)
             self.state, step_metrics = train(self.state, batch)
             pending.append(step_metrics)
             # Also at checkpoint steps: a non-finite state must stop the run before it is saved.
             if step % train_config.log_every_steps == 0 or step % train_config.checkpoint_every_steps == 0 \
-                    or step == train_config.num_train_steps:
+                    or step == train_config.num_train_steps or (self.cooldown and step == self.cooldown[1]):
                 summary = summarize(jax.device_get(pending))  # the loop's only host sync
                 now = time.perf_counter()
-                self.train_seconds += now - last_time
+                self.train_seconds = agreed_seconds(self.train_seconds + now - last_time)
                 summary["train_seconds"] = self.train_seconds  # training only: no compilation or evaluation
                 summary.update(throughput_metrics(summary, self.model_config, now - last_time, step - last_step,
                                                   peak_flops))
@@ -453,6 +460,16 @@ class Run:
                                    f"{train_config.max_train_minutes:g} is spent ({self.train_seconds:.0f}s of training)")
                     self.checkpointer.save(step, self.state, data_state=data_state, force=True)
                     break
+                if self.cooldown and step >= self.cooldown[1] and step < train_config.num_train_steps:
+                    progress.write(f"step {step}: the cooldown (optimizer.cooldown_fraction={cooldown:g}) has "
+                                   f"brought the learning rate to 0 ({self.train_seconds:.0f}s of training)")
+                    self.checkpointer.save(step, self.state, data_state=data_state, force=True)
+                    break
+                if cooldown and self.train_seconds >= (1 - cooldown) * budget_seconds \
+                        and self.cooldown is None:
+                    pace = (step - part_start[0]) / max(self.train_seconds - part_start[1], 1e-9)  # steps/s
+                    end = min(step + int((budget_seconds - self.train_seconds) * pace), train_config.num_train_steps)
+                    self._begin_cooldown(step + 1, end, progress)
                 if marks and self.train_seconds >= marks[0] * 60:
                     self.checkpointer.save(step, self.state, data_state=data_state, force=True)
                     paused = time.perf_counter()
@@ -500,6 +517,12 @@ class Run:
             with open(os.path.join(self.workdir, "scores.json"), "w", encoding="utf-8") as handle:
                 json.dump(result, handle, indent=2)
         return result
+
+    def _begin_cooldown(self, start: int, end: int, progress) -> None:
+        self.state = self.state.replace(opt_state=optim.begin_cooldown(self.state.opt_state, start, end))
+        self.cooldown = (start, max(end, start))
+        progress.write(f"cooldown: the learning rate decays linearly to 0 from step {start} to step {end} "
+                       f"(optimizer.cooldown_fraction={self.settings.optimizer.cooldown_fraction:g})")
 
     def final_params(self) -> tuple[dict, list[int]]:
         """The parameters the end of the run scores: with decode.average_last > 1, the mean of the last
@@ -573,6 +596,15 @@ RESUMABLE_CHANGES = ("train.num_train_steps", "train.log_every_steps", "train.ev
                      "train.bleu_every_steps", "train.checkpoint_every_steps", "train.keep_checkpoints",
                      "train.async_checkpointing", "decode.", "mesh.", "train.num_microbatches",
                      "train.keep_best_checkpoint", "train.max_train_minutes", "train.report_minutes")
+
+
+def agreed_seconds(seconds: float) -> float:
+    """Process 0's training clock, on every process. The time budget, the report marks and the cooldown are
+    decided on it, and processes that decided differently would part ways at the next collective."""
+    if jax.process_count() == 1:
+        return seconds
+    from jax.experimental import multihost_utils
+    return float(multihost_utils.broadcast_one_to_all(np.float32(seconds)))
 
 
 def read_reports(workdir: str) -> dict[str, Any]:

@@ -1,0 +1,73 @@
+"""optimizer.cooldown_fraction in the trainer: the learning rate decays linearly to 0 over the last part of a
+run of fixed length, or of a time budget (decided on the training clock, here a fake one, so that the test
+does not depend on the machine's speed)."""
+
+import json
+import types
+
+import numpy as np
+import pytest
+from tiny import make_tiny_config
+from transformer import optim, trainer
+
+
+def learning_rates(workdir) -> dict[int, float]:
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["learning_rate"] for r in records if r["split"] == "train"}
+
+
+def schedule_of(config):
+    return optim.rsqrt_schedule(config.optimizer.learning_rate_scale, config.model.emb_dim,
+                                config.optimizer.warmup_steps)
+
+
+def test_a_run_of_fixed_length_cools_down_over_its_last_steps(tmp_path):
+    config = make_tiny_config(**{"optimizer.cooldown_fraction": 0.5, "train.log_every_steps": 1,
+                                 "train.eval_every_steps": 0, "decode.bleu_splits": ""})
+    trainer.Run(config, str(tmp_path)).train()  # 6 steps: the last 3 decay, at 3/3, 2/3, 1/3 of the schedule
+    schedule = schedule_of(config)
+    expected = {step: float(schedule(step - 1)) * factor
+                for step, factor in zip(range(1, 7), [1, 1, 1, 1, 2 / 3, 1 / 3])}
+    rates = learning_rates(tmp_path)
+    assert rates.keys() == expected.keys()
+    np.testing.assert_allclose([rates[s] for s in expected], list(expected.values()), rtol=1e-5)
+    assert optim.cooldown_steps(trainer.Run(config, str(tmp_path)).state.opt_state) == (4, 6)  # checkpointed
+
+
+class FakeClock:
+    """perf_counter for the trainer only: each reading is half a second after the previous one (about 1 s per step)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        self.now += 0.5
+        return self.now
+
+
+def test_a_time_budget_cools_down_from_its_last_fraction_to_a_projected_last_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer, "time", types.SimpleNamespace(perf_counter=FakeClock().perf_counter))
+    config = make_tiny_config(**{"optimizer.cooldown_fraction": 0.5, "train.max_train_minutes": 0.5,
+                                 "train.num_train_steps": 1000, "train.log_every_steps": 1,
+                                 "train.eval_every_steps": 0, "train.checkpoint_every_steps": 1000,
+                                 "decode.bleu_splits": ""})
+    result = trainer.Run(config, str(tmp_path)).train()
+    # A resumed run therefore keeps the decay it had begun. The clock gives each step about 1 s of training: the cooldown begins once 15 s are spent, set to end
+    # where the remaining 15 s are projected to run out, and the run stops there (or at the budget).
+    resumed = trainer.Run(config, str(tmp_path))  # reads the optimizer state of the last checkpoint
+    start, end = optim.cooldown_steps(resumed.state.opt_state)
+    assert 12 <= start <= 18 and 12 <= end - start <= 18, (start, end)
+    assert result["step"] <= end and 25 <= result["step"]
+    rates, schedule = learning_rates(tmp_path), schedule_of(config)
+    factor = lambda step: min((end - step + 1) / (end - start + 1), 1.0)  # noqa: E731
+    np.testing.assert_allclose([rates[s] for s in sorted(rates)],
+                               [float(schedule(s - 1)) * factor(s) for s in sorted(rates)], rtol=1e-5)
+    assert rates[result["step"]] < rates[start - 1] / 5  # near 0 by the end
+
+
+@pytest.mark.parametrize("fraction", [-0.1, 1.0])
+def test_a_bad_cooldown_fraction_names_the_key(tmp_path, fraction):
+    config = make_tiny_config(**{"optimizer.cooldown_fraction": fraction})
+    with pytest.raises(ValueError, match="optimizer.cooldown_fraction"):
+        trainer.Run(config, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
