@@ -8,14 +8,13 @@ import os
 import shutil
 import tempfile
 
+_CACHE_DIR = None
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     _CACHE_DIR = tempfile.mkdtemp(prefix="jax_cache_")
     # Set before JAX is imported: subprocesses inherit the environment, and this process reads it at import.
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
-    # The tiny steps compile in well under the default 1 s threshold, so without this nothing would be cached.
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-else:
-    _CACHE_DIR = None
+# The tiny steps compile in well under the default 1 s threshold, so without this little would be cached.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 def pytest_unconfigure(config):
