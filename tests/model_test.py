@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from transformer.model import ModelConfig, Transformer, attention_mask, sinusoidal_positions
+from transformer.model import (ModelConfig, Transformer, attention_mask, from_cache_layout, sinusoidal_positions,
+                               to_cache_layout)
 
 TINY = dict(vocab_size=40, emb_dim=32, num_heads=4, num_encoder_layers=2, num_decoder_layers=2, mlp_dim=64)
 INPUTS = jnp.array([[5, 6, 7, 8, 1, 0, 0], [9, 10, 1, 0, 0, 0, 0]])
@@ -68,6 +69,18 @@ def test_cached_decoding_equals_teacher_forced_pass(model):
             steps.append(step_logits)
         return jnp.stack(steps, axis=1)
     np.testing.assert_allclose(decode_all(model, INPUTS, DECODER_INPUTS), logits, atol=1e-4)
+
+
+def test_caches_are_head_major_and_the_layout_round_trips():
+    model = Transformer(ModelConfig(**TINY), rngs=nnx.Rngs(0))
+    layer_cache = model.init_cache(jnp.ones((2, 7, 32)), 5)[0]
+    # keys [batch, heads, head_dim, length], values [batch, heads, length, head_dim]
+    assert layer_cache["key"].shape == (2, 4, 8, 5) and layer_cache["value"].shape == (2, 4, 5, 8)
+    assert layer_cache["cross_key"].shape == (2, 4, 8, 7) and layer_cache["cross_value"].shape == (2, 4, 7, 8)
+    keys, values = (jax.random.normal(jax.random.key(i), (2, 7, 4, 8)) for i in (1, 2))
+    for got, expected in zip(from_cache_layout(*to_cache_layout(keys, values)), (keys, values)):
+        np.testing.assert_array_equal(got, expected)
+    assert to_cache_layout(keys, values)[0][1, 2, 3, 5] == keys[1, 5, 2, 3]
 
 
 def test_dropout_is_active_only_when_not_deterministic():

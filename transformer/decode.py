@@ -36,6 +36,7 @@ from flax import nnx
 
 from transformer import data
 from transformer.metrics import log
+from transformer.model import to_cache_layout
 from transformer.tokenizer import EOS_ID, PAD_ID, Tokenizer
 
 PyTree = Any
@@ -126,8 +127,8 @@ def _beam_step(model, tokens: jax.Array, index: jax.Array, cache: PyTree, ancest
     """One decoding position for every hypothesis without moving the self-attention cache when beams reorder.
 
     tokens [batch, beams]; the beams are the decoder's "length" axis, so one sentence's beams share its
-    cross-attention keys/values [batch, src_length, ...] (never repeated). The self-attention cache is
-    [batch, max_decode_length * beams, ...], position-major: the hypothesis in beam slot j writes position t
+    cross-attention keys/values (never repeated). The self-attention cache has max_decode_length * beams rows
+    (its length axis, see model.to_cache_layout), position-major: the hypothesis in beam slot j writes position t
     to row t * beams + j, where it stays. ancestors [batch, beams, max_decode_length] says which slot holds
     each position of each hypothesis, and the self-attention mask lets it see exactly those rows (softmax over
     the same keys as a reordered cache, plus masked ones). Reordering then moves this small int table instead
@@ -216,7 +217,7 @@ def beam_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, be
         def first_beam(x):
             return x.reshape(batch, beams, *x.shape[1:])[:, 0]
         return [{**layer_cache, **{name: first_beam(x) for name, x in zip(
-                    ("cross_key", "cross_value"), layer.cross_attention.keys_values(source))}}
+                    ("cross_key", "cross_value"), to_cache_layout(*layer.cross_attention.keys_values(source)))}}
                 for layer, layer_cache in zip(model.decoder_layers, cache)]
 
     def not_done(carry):
