@@ -106,8 +106,9 @@ def test_base_and_big_carry_the_papers_values(name, dropout, steps, averaged):
     assert (data.valid_split, data.test_split) == ("validation", "test")
 
 
-def test_the_multi30k_recipe_stops_on_a_time_budget_and_averages():
+def test_the_multi30k_recipe_stops_on_a_time_budget_after_a_cooldown():
     settings = Settings.from_config(load("multi30k"))
-    assert settings.train.max_train_minutes == 20 and settings.decode.average_last > 1
+    assert settings.train.max_train_minutes == 20 and settings.optimizer.cooldown_fraction > 0
+    assert settings.decode.average_last <= 1  # val chose the final parameters over an average (docstring)
     assert (settings.data.valid_split, settings.data.test_split) == ("val", "test2016")
     assert settings.data.source_lang == "en" and settings.data.target_lang == "de"
