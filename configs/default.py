@@ -65,8 +65,8 @@ def get_config() -> ml_collections.ConfigDict:
     optimizer.adam_b2 = 0.98  # Adam beta2
     optimizer.adam_eps = 1e-9  # Adam epsilon
     optimizer.grad_clip_norm = 0.0  # clip gradients to this global norm; 0 = no clipping (the paper's choice)
-    optimizer.cooldown_fraction = 0.0  # decay the lr linearly to 0 over this last fraction of the run (of
-    # train.max_train_minutes when set, else of num_train_steps); 0 = the paper's schedule to the end
+    optimizer.cooldown_fraction = 0.0  # decay the lr linearly toward 0 over this last fraction of the run (of
+    # num_train_steps, or of train.max_train_minutes when that begins first); 0 = the paper's schedule to the end
 
     config.train = train = ml_collections.ConfigDict()
     train.num_train_steps = 750  # optimizer updates

@@ -1,5 +1,5 @@
 """The paper's optimiser (section 5.3): Adam(0.9, 0.98, 1e-9) with warmup then inverse-square-root decay,
-and an optional cooldown: a linear decay of the learning rate to 0 over the last part of a run."""
+and an optional cooldown: a linear decay of the learning rate toward 0 over the last part of a run."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ class OptimizerConfig:
     adam_b2: float = 0.98
     adam_eps: float = 1e-9
     grad_clip_norm: float = 0.0  # clip by global norm when > 0 (the paper does not clip)
-    # The last fraction of the run (of train.max_train_minutes when set, else of train.num_train_steps) decays
-    # the learning rate linearly to 0; 0: the paper's schedule to the end.
+    # The last fraction of the run (of train.num_train_steps, or of train.max_train_minutes when that begins
+    # first) decays the learning rate linearly toward 0; 0: the paper's schedule to the end.
     cooldown_fraction: float = 0.0
 
     def __post_init__(self):
@@ -44,7 +44,7 @@ def rsqrt_schedule(scale: float, emb_dim: int, warmup_steps: int) -> optax.Sched
 
 
 class CooldownState(NamedTuple):
-    """Where the linear decay to 0 runs, in steps (the paper's step_num, from 1); start < 0: not begun."""
+    """Where the linear decay toward 0 runs, in steps (the paper's step_num, from 1); start < 0: not begun."""
 
     cooldown_start: jax.Array  # float32 scalar
     cooldown_end: jax.Array  # float32 scalar: the step whose update is the last one (lr > 0)

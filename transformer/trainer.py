@@ -422,23 +422,31 @@ class Run:
         # scoring (stopped in between) is scored at the first check of this part.
         reports = read_reports(self.workdir) if start_step else {}
         marks = [m for m in train_config.report_marks if f"{m:g}" not in reports]
-        cooldown = self.settings.optimizer.cooldown_fraction
-        self.cooldown = optim.cooldown_steps(self.state.opt_state)  # (start, end) once begun; kept by checkpoints
-        if cooldown and budget_seconds == float("inf") and self.cooldown is None:
-            # A run of fixed length knows its cooldown from the start; a time budget's is set in the loop.
-            steps = max(round(cooldown * train_config.num_train_steps), 1)
-            self._begin_cooldown(train_config.num_train_steps - steps + 1, train_config.num_train_steps, progress)
-        part_start = (start_step, self.train_seconds)  # this part's pace projects the cooldown's last step
-        for step in range(start_step + 1, train_config.num_train_steps + 1):
+        fraction = self.settings.optimizer.cooldown_fraction
+        # (start, end) steps of the decay once it has begun; restored with the optimizer state, so a resumed run
+        # keeps a decay it had begun, and one that had finished its decay does not train on.
+        self.cooldown_window = optim.cooldown_steps(self.state.opt_state)
+        # The decay begins at the last fraction of num_train_steps or, under a budget, at (1 - fraction) of the
+        # budget, whichever comes first; it is only stored once begun, so num_train_steps may change before.
+        steps_start = train_config.num_train_steps - max(round(fraction * train_config.num_train_steps), 1) + 1
+        timed = budget_seconds < float("inf") or bool(marks)  # decisions on the clock: process 0's, everywhere
+        self.train_seconds = agreed_seconds(self.train_seconds, timed)
+        part_start = (start_step, self.train_seconds)  # this part's pace projects a timed decay's end
+        final_step = train_config.num_train_steps
+        if self.cooldown_window:
+            final_step = min(final_step, self.cooldown_window[1])
+        for step in range(start_step + 1, final_step + 1):
+            if fraction and self.cooldown_window is None and step >= steps_start:
+                self._begin_cooldown(step, train_config.num_train_steps, progress)
             batch, data_state = next(batches)
             self.state, step_metrics = train(self.state, batch)
             pending.append(step_metrics)
             # Also at checkpoint steps: a non-finite state must stop the run before it is saved.
             if step % train_config.log_every_steps == 0 or step % train_config.checkpoint_every_steps == 0 \
-                    or step == train_config.num_train_steps or (self.cooldown and step == self.cooldown[1]):
+                    or step == final_step or (self.cooldown_window and step == self.cooldown_window[1]):
                 summary = summarize(jax.device_get(pending))  # the loop's only host sync
                 now = time.perf_counter()
-                self.train_seconds = agreed_seconds(self.train_seconds + now - last_time)
+                self.train_seconds = agreed_seconds(self.train_seconds + now - last_time, timed)
                 summary["train_seconds"] = self.train_seconds  # training only: no compilation or evaluation
                 summary.update(throughput_metrics(summary, self.model_config, now - last_time, step - last_step,
                                                   peak_flops))
@@ -460,13 +468,13 @@ class Run:
                                    f"{train_config.max_train_minutes:g} is spent ({self.train_seconds:.0f}s of training)")
                     self.checkpointer.save(step, self.state, data_state=data_state, force=True)
                     break
-                if self.cooldown and step >= self.cooldown[1] and step < train_config.num_train_steps:
-                    progress.write(f"step {step}: the cooldown (optimizer.cooldown_fraction={cooldown:g}) has "
-                                   f"brought the learning rate to 0 ({self.train_seconds:.0f}s of training)")
+                if self.cooldown_window and step >= self.cooldown_window[1] and step < final_step:
+                    progress.write(f"step {step}: the cooldown (optimizer.cooldown_fraction={fraction:g}) is "
+                                   f"done ({self.train_seconds:.0f}s of training)")
                     self.checkpointer.save(step, self.state, data_state=data_state, force=True)
                     break
-                if cooldown and self.train_seconds >= (1 - cooldown) * budget_seconds \
-                        and self.cooldown is None:
+                if fraction and self.train_seconds >= (1 - fraction) * budget_seconds \
+                        and self.cooldown_window is None:
                     pace = (step - part_start[0]) / max(self.train_seconds - part_start[1], 1e-9)  # steps/s
                     end = min(step + int((budget_seconds - self.train_seconds) * pace), train_config.num_train_steps)
                     self._begin_cooldown(step + 1, end, progress)
@@ -480,7 +488,7 @@ class Run:
                         reports[f"{marks.pop(0):g}"] = report
                     self._write_reports(reports)
                     last_time += time.perf_counter() - paused  # scoring does not count as training time
-            if step != train_config.num_train_steps:  # the final step is evaluated after the loop
+            if step != final_step:  # the final step is evaluated after the loop
                 paused = time.perf_counter()
                 if train_config.eval_every_steps and step % train_config.eval_every_steps == 0:
                     self._report_loss(evaluate, writer, progress)
@@ -519,10 +527,12 @@ class Run:
         return result
 
     def _begin_cooldown(self, start: int, end: int, progress) -> None:
+        end = max(end, start)
         self.state = self.state.replace(opt_state=optim.begin_cooldown(self.state.opt_state, start, end))
-        self.cooldown = (start, max(end, start))
-        progress.write(f"cooldown: the learning rate decays linearly to 0 from step {start} to step {end} "
-                       f"(optimizer.cooldown_fraction={self.settings.optimizer.cooldown_fraction:g})")
+        self.cooldown_window = (start, end)
+        progress.write(f"cooldown: the learning rate decays linearly from step {start} to step {end}, which gets "
+                       f"1/{end - start + 1} of the schedule (optimizer.cooldown_fraction="
+                       f"{self.settings.optimizer.cooldown_fraction:g})")
 
     def final_params(self) -> tuple[dict, list[int]]:
         """The parameters the end of the run scores: with decode.average_last > 1, the mean of the last
@@ -598,10 +608,10 @@ RESUMABLE_CHANGES = ("train.num_train_steps", "train.log_every_steps", "train.ev
                      "train.keep_best_checkpoint", "train.max_train_minutes", "train.report_minutes")
 
 
-def agreed_seconds(seconds: float) -> float:
-    """Process 0's training clock, on every process. The time budget, the report marks and the cooldown are
-    decided on it, and processes that decided differently would part ways at the next collective."""
-    if jax.process_count() == 1:
+def agreed_seconds(seconds: float, timed: bool = True) -> float:
+    """Process 0's training clock, on every process, when something is decided on it (timed: the time budget,
+    the report marks, the cooldown): processes that decided differently would part ways at the next collective."""
+    if jax.process_count() == 1 or not timed:
         return seconds
     from jax.experimental import multihost_utils
     return float(multihost_utils.broadcast_one_to_all(np.float32(seconds)))
@@ -629,6 +639,17 @@ def previous_train_seconds(workdir: str, start_step: int) -> float:
     return seconds
 
 
+def field_default(key: str) -> Any:
+    """The dataclass default of a dotted config key (e.g. "optimizer.cooldown_fraction"), or None."""
+    kinds = {"data": data.DataConfig, "model": ModelConfig, "optimizer": OptimizerConfig, "train": TrainConfig,
+             "decode": DecodeConfig, "mesh": sharding.MeshConfig}
+    section, _, name = key.partition(".")
+    for field in dataclasses.fields(kinds[section]) if section in kinds else ():
+        if field.name == name and field.default is not dataclasses.MISSING:
+            return field.default
+    return None
+
+
 def check_resume_config(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict) -> None:
     """A resumed run must be the same run: refuse changes to the model, data, optimizer or seed."""
     def flat(tree, prefix=""):
@@ -641,6 +662,8 @@ def check_resume_config(saved: ml_collections.ConfigDict, config: ml_collections
         return items
 
     old, new = flat(saved), flat(config)
+    for key in set(new) - set(old):  # a key added since the workdir was made: the run had its default
+        old[key] = field_default(key)
     changed = sorted(key for key in set(old) | set(new)
                      if old.get(key) != new.get(key) and not key.startswith(RESUMABLE_CHANGES))
     if changed:
