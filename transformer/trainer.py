@@ -121,6 +121,11 @@ class DecodeConfig:
         return splits
 
 
+# The config's sections and the dataclass each is read into (Settings.from_config; field_default).
+SECTIONS = {"data": data.DataConfig, "model": ModelConfig, "optimizer": OptimizerConfig, "train": TrainConfig,
+            "decode": DecodeConfig, "mesh": sharding.MeshConfig}
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """The whole resolved configuration, typed. vocab_size is not here: it comes from the tokenizer."""
@@ -147,7 +152,7 @@ class Settings:
 
         model = config.model.to_dict()
         build(ModelConfig, "model", vocab_size=1)  # validates shapes before any data work
-        unknown = sorted(set(config.keys()) - {"seed", "data", "model", "optimizer", "train", "decode", "mesh"})
+        unknown = sorted(set(config.keys()) - {"seed", *SECTIONS})
         if unknown:
             raise ValueError(f"unknown top-level config key(s) {unknown}")
         settings = cls(seed=int(config.seed), data=build(data.DataConfig, "data"), model=model,
@@ -527,9 +532,8 @@ class Run:
         return result
 
     def _begin_cooldown(self, start: int, end: int, progress) -> None:
-        end = max(end, start)
         self.state = self.state.replace(opt_state=optim.begin_cooldown(self.state.opt_state, start, end))
-        self.cooldown_window = (start, end)
+        self.cooldown_window = start, end = optim.cooldown_steps(self.state.opt_state)  # as stored (end >= start)
         progress.write(f"cooldown: the learning rate decays linearly from step {start} to step {end}, which gets "
                        f"1/{end - start + 1} of the schedule (optimizer.cooldown_fraction="
                        f"{self.settings.optimizer.cooldown_fraction:g})")
@@ -608,7 +612,7 @@ RESUMABLE_CHANGES = ("train.num_train_steps", "train.log_every_steps", "train.ev
                      "train.keep_best_checkpoint", "train.max_train_minutes", "train.report_minutes")
 
 
-def agreed_seconds(seconds: float, timed: bool = True) -> float:
+def agreed_seconds(seconds: float, timed: bool) -> float:
     """Process 0's training clock, on every process, when something is decided on it (timed: the time budget,
     the report marks, the cooldown): processes that decided differently would part ways at the next collective."""
     if jax.process_count() == 1 or not timed:
@@ -641,10 +645,8 @@ def previous_train_seconds(workdir: str, start_step: int) -> float:
 
 def field_default(key: str) -> Any:
     """The dataclass default of a dotted config key (e.g. "optimizer.cooldown_fraction"), or None."""
-    kinds = {"data": data.DataConfig, "model": ModelConfig, "optimizer": OptimizerConfig, "train": TrainConfig,
-             "decode": DecodeConfig, "mesh": sharding.MeshConfig}
     section, _, name = key.partition(".")
-    for field in dataclasses.fields(kinds[section]) if section in kinds else ():
+    for field in dataclasses.fields(SECTIONS[section]) if section in SECTIONS else ():
         if field.name == name and field.default is not dataclasses.MISSING:
             return field.default
     return None
