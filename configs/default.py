@@ -57,10 +57,12 @@ def get_config() -> ml_collections.ConfigDict:
     model.dtype = "float32"  # compute dtype of the matmuls: float32 | bfloat16 (parameters stay float32)
     model.attention = "reference"  # reference (ours, any backend) | xla | cudnn (flash attention, GPU + bfloat16)
     model.remat = False  # recompute each layer in the backward pass: less activation memory, ~1/3 more compute
+    model.init_std = 0.0  # 0: lecun-normal kernels, embeddings N(0, d^-0.5); > 0: everything N(0, init_std) (Marian 0.02)
 
     config.optimizer = optimizer = ml_collections.ConfigDict()
     optimizer.learning_rate_scale = 0.5  # lr = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
     optimizer.warmup_steps = 200  # warmup_steps of the schedule
+    optimizer.decay = "rsqrt"  # after the warmup: rsqrt (the paper) | constant (a warmup-stable-decay with cooldown)
     optimizer.adam_b1 = 0.9  # Adam beta1
     optimizer.adam_b2 = 0.98  # Adam beta2
     optimizer.adam_eps = 1e-9  # Adam epsilon

@@ -129,11 +129,27 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
     np.testing.assert_allclose(logits, reference(INPUTS, DECODER_INPUTS), atol=0.1)  # bf16 has ~3 digits
 
 
+def test_init_std_draws_every_kernel_and_embedding_from_one_normal():
+    def stds(**kw):
+        params = nnx.to_pure_dict(nnx.state(Transformer(ModelConfig(**{**TINY, "vocab_size": 400}, **kw),
+                                                        rngs=nnx.Rngs(0)), nnx.Param))
+        flat = {"/".join(map(str, k)): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+        return {k: v.std() for k, v in flat.items() if k.endswith(("kernel']", "embedding']"))}
+    default, marian = stds(), stds(init_std=0.02)
+    assert len(marian) == len(default) > 10
+    for name, std in marian.items():
+        assert 0.017 < std < 0.023, name
+    mlp_out = [k for k in default if "feed_forward" in k and "output" in k][0]
+    assert abs(default[mlp_out] - 64**-0.5) < 0.02  # lecun normal: fan_in^-0.5 (mlp_dim 64)
+    assert abs(default[[k for k in default if "embedding']" in k][0]] - 32**-0.5) < 0.02
+
+
 @pytest.mark.parametrize("bad, message", [
     (dict(num_heads=5), "num_heads=5 must divide emb_dim=32"),
     (dict(layer_norm="middle"), "layer_norm='middle'"),
     (dict(dtype="float16"), "dtype='float16'"),
     (dict(dropout_rate=1.5), "dropout_rate=1.5"),
+    (dict(init_std=-0.02), "init_std=-0.02"),
 ])
 def test_bad_model_configs_fail_naming_the_field(bad, message):
     with pytest.raises(ValueError, match=message):

@@ -15,6 +15,14 @@ def test_schedule_matches_the_paper_formula_at_known_steps():
     np.testing.assert_allclose(rsqrt_schedule(2.0, 256, 400)(99), 2.0 * 256**-0.5 * 100 * 400**-1.5, rtol=1e-6)
 
 
+def test_constant_decay_holds_the_warmup_peak():
+    rsqrt, constant = rsqrt_schedule(1.0, 256, 100), rsqrt_schedule(1.0, 256, 100, "constant")
+    np.testing.assert_allclose(constant(49), rsqrt(49), rtol=1e-6)  # the same warmup
+    np.testing.assert_allclose(constant(99), 256**-0.5 * 100**-0.5, rtol=1e-6)  # the same peak
+    np.testing.assert_allclose(constant(9999), 256**-0.5 * 100**-0.5, rtol=1e-6)  # held
+    assert rsqrt(9999) < 0.11 * constant(9999)
+
+
 def test_adam_uses_the_papers_betas_and_epsilon():
     optimizer, _ = make_optimizer(OptimizerConfig(), emb_dim=512)
     state = optimizer.init({"w": np.zeros(3, np.float32)})
@@ -31,7 +39,7 @@ def test_gradient_clipping_bounds_the_update():
     assert clipped_state == ()  # clip_by_global_norm holds no state; it comes first in the chain
 
 
-@pytest.mark.parametrize("bad", [dict(warmup_steps=0), dict(learning_rate_scale=-1.0)])
+@pytest.mark.parametrize("bad", [dict(warmup_steps=0), dict(learning_rate_scale=-1.0), dict(decay="cosine")])
 def test_bad_optimizer_settings_fail(bad):
     with pytest.raises(ValueError, match=list(bad)[0]):
         OptimizerConfig(**bad)

@@ -7,7 +7,8 @@ import pytest
 
 from transformer.model import ModelConfig
 from transformer.optim import OptimizerConfig, make_optimizer
-from transformer.steps import eval_step, label_smoothed_cross_entropy, shift_right, summarize, train_step
+from transformer.steps import (eval_step, label_smoothed_cross_entropy, shift_right, summarize, token_metrics,
+                              train_step)
 from transformer.trainer import create_train_state, model_graphdef
 
 
@@ -23,6 +24,19 @@ def test_label_smoothed_loss_matches_a_hand_computation():
     # Without smoothing it is the plain negative log-likelihood.
     np.testing.assert_allclose(label_smoothed_cross_entropy(jnp.asarray(logits), jnp.array([1]), 0.0)[0],
                                -log_probs[1], rtol=1e-5)
+
+
+def test_token_metrics_count_argmax_hits_and_skip_padding():
+    logits = jax.random.normal(jax.random.key(0), (3, 5, 11))
+    targets = jax.random.randint(jax.random.key(1), (3, 5), 1, 11).at[:, 0].set(jnp.argmax(logits[:, 0], -1))
+    targets = targets.at[2, 3:].set(0)  # padding
+    metrics = token_metrics(logits, {"inputs": targets, "targets": targets}, 0.1)
+    weights = np.asarray(targets != 0)
+    assert metrics["correct"] == np.sum((np.argmax(logits, -1) == targets) * weights) >= 3
+    log_probs = jax.nn.log_softmax(logits)
+    nll = -np.take_along_axis(np.asarray(log_probs), np.asarray(targets)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(metrics["nll"], np.sum(nll * weights), rtol=1e-5)
+    assert metrics["denominator"] == weights.sum() == 13
 
 
 def test_shift_right_starts_every_packed_segment_with_zero():

@@ -61,6 +61,9 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype of the matmuls: float32 or bfloat16
     attention: str = "reference"  # reference | xla | cudnn (see ATTENTION_IMPLEMENTATIONS)
     remat: bool = False  # recompute each layer's activations in the backward pass (less memory, ~1/3 more compute)
+    # 0: lecun-normal kernels (std fan_in^-0.5) and embeddings of std d^-0.5 (unit variance once scaled by
+    # sqrt(d)); > 0: every kernel and embedding drawn from N(0, init_std), as HF Marian / BART / BERT (0.02).
+    init_std: float = 0.0
 
     def __post_init__(self):
         checks = [
@@ -77,6 +80,7 @@ class ModelConfig:
              f"attention={self.attention!r} has no dropout on the attention weights: set attention_dropout_rate=0 "
              "or attention='reference'"),
             (self.emb_dim % 2 == 0, f"emb_dim={self.emb_dim} must be even for sinusoidal positions"),
+            (self.init_std >= 0.0, f"init_std={self.init_std} must be >= 0 (0: lecun normal)"),
         ]
         for rate_name in ("dropout_rate", "attention_dropout_rate", "relu_dropout_rate"):
             rate = getattr(self, rate_name)
@@ -97,6 +101,10 @@ class ModelConfig:
     @property
     def compute_dtype(self) -> Any:
         return DTYPES[self.dtype]
+
+    def kernel_init(self, *names: str | None):
+        return partitioned(nnx.initializers.normal(self.init_std) if self.init_std else nnx.initializers.lecun_normal(),
+                           *names)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -146,7 +154,7 @@ class Embedder(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         # stddev d^-0.5 makes the sqrt(d)-scaled embedding unit-variance, and suits the tied output layer.
-        init = partitioned(nnx.initializers.normal(stddev=config.emb_dim**-0.5), "vocab", "embed")
+        init = partitioned(nnx.initializers.normal(stddev=config.init_std or config.emb_dim**-0.5), "vocab", "embed")
         self.embedding = nnx.Embed(config.vocab_size, config.emb_dim, embedding_init=init, rngs=rngs)
         if config.positional_encoding == "learned":
             self.position_embedding = nnx.Embed(
@@ -240,8 +248,7 @@ class MultiHeadAttention(nnx.Module):
         self.config = config
         dim, dtype = config.emb_dim, config.compute_dtype
         def linear(*names):
-            init = partitioned(nnx.initializers.lecun_normal(), *names)
-            return nnx.Linear(dim, dim, use_bias=False, dtype=dtype, kernel_init=init, rngs=rngs)
+            return nnx.Linear(dim, dim, use_bias=False, dtype=dtype, kernel_init=config.kernel_init(*names), rngs=rngs)
         self.query, self.key, self.value = linear("embed", "heads"), linear("embed", "heads"), linear("embed", "heads")
         self.output = linear("heads", "embed")
         self.dropout = nnx.Dropout(config.attention_dropout_rate)
@@ -265,11 +272,11 @@ class FeedForward(nnx.Module):
     """FFN(x) = max(0, x W1 + b1) W2 + b2 (paper section 3.3), with relu dropout between."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        dtype, kernel, bias = config.compute_dtype, nnx.initializers.lecun_normal(), nnx.initializers.zeros_init()
+        dtype, bias = config.compute_dtype, nnx.initializers.zeros_init()
         self.hidden = nnx.Linear(config.emb_dim, config.mlp_dim, dtype=dtype, rngs=rngs,
-                                 kernel_init=partitioned(kernel, "embed", "mlp"), bias_init=partitioned(bias, "mlp"))
+                                 kernel_init=config.kernel_init("embed", "mlp"), bias_init=partitioned(bias, "mlp"))
         self.output = nnx.Linear(config.mlp_dim, config.emb_dim, dtype=dtype, rngs=rngs,
-                                 kernel_init=partitioned(kernel, "mlp", "embed"), bias_init=partitioned(bias, "embed"))
+                                 kernel_init=config.kernel_init("mlp", "embed"), bias_init=partitioned(bias, "embed"))
         self.dropout = nnx.Dropout(config.relu_dropout_rate)
 
     def __call__(self, x: Array, *, deterministic: bool, rngs: nnx.Rngs | None) -> Array:
@@ -372,7 +379,7 @@ class Transformer(nnx.Module):
             self.output_projection = nnx.Linear(
                 config.emb_dim, config.vocab_size, use_bias=False, dtype=config.compute_dtype,
                 preferred_element_type=jnp.float32,
-                kernel_init=partitioned(nnx.initializers.lecun_normal(), "embed", "vocab"), rngs=rngs)
+                kernel_init=config.kernel_init("embed", "vocab"), rngs=rngs)
         self.encoder_layers = nnx.List([EncoderLayer(config, rngs=rngs) for _ in range(config.num_encoder_layers)])
         self.decoder_layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_decoder_layers)])
         if config.layer_norm == "pre":  # pre-LN leaves the residual stream unnormalised: close each stack

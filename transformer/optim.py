@@ -10,11 +10,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
+DECAYS = ("rsqrt", "constant")
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     learning_rate_scale: float = 1.0  # multiplies the paper's d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
     warmup_steps: int = 4000
+    # After the warmup: "rsqrt", the paper's step^-0.5 decay; or "constant", held at the warmup's peak (with a
+    # cooldown_fraction, a warmup-stable-decay schedule, for short budgets where rsqrt decays too early).
+    decay: str = "rsqrt"
     adam_b1: float = 0.9
     adam_b2: float = 0.98
     adam_eps: float = 1e-9
@@ -26,20 +30,24 @@ class OptimizerConfig:
     def __post_init__(self):
         if not 0.0 <= self.cooldown_fraction < 1.0:
             raise ValueError(f"optimizer.cooldown_fraction={self.cooldown_fraction} must be in [0, 1)")
+        if self.decay not in DECAYS:
+            raise ValueError(f"optimizer.decay={self.decay!r} must be one of {DECAYS}")
         if self.warmup_steps <= 0:
             raise ValueError(f"warmup_steps must be positive, got {self.warmup_steps}")
         if self.learning_rate_scale <= 0:
             raise ValueError(f"learning_rate_scale must be positive, got {self.learning_rate_scale}")
 
 
-def rsqrt_schedule(scale: float, emb_dim: int, warmup_steps: int) -> optax.Schedule:
-    """lrate = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), with step_num counted from 1.
+def rsqrt_schedule(scale: float, emb_dim: int, warmup_steps: int, decay: str = "rsqrt") -> optax.Schedule:
+    """lrate = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), with step_num counted from 1;
+    decay="constant" holds the peak after the warmup: scale * d_model^-0.5 * min(step, warmup) * warmup^-1.5.
 
     optax passes the number of updates already applied (0 for the first update), hence `count + 1`.
     """
     def schedule(count):
         step = jnp.asarray(count, jnp.float32) + 1.0
-        return scale * emb_dim**-0.5 * jnp.minimum(step**-0.5, step * warmup_steps**-1.5)
+        after = step**-0.5 if decay == "rsqrt" else jnp.asarray(warmup_steps**-0.5, jnp.float32)
+        return scale * emb_dim**-0.5 * jnp.minimum(after, step * warmup_steps**-1.5)
     return schedule
 
 
@@ -118,7 +126,7 @@ def begin_cooldown(opt_state: Any, start: int, end: int) -> Any:
 
 
 def make_optimizer(config: OptimizerConfig, emb_dim: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    schedule = rsqrt_schedule(config.learning_rate_scale, emb_dim, config.warmup_steps)
+    schedule = rsqrt_schedule(config.learning_rate_scale, emb_dim, config.warmup_steps, config.decay)
     adam = optax.adam(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
     if config.cooldown_fraction > 0:  # only then, so that the checkpoints of other runs keep their structure
         adam = optax.chain(adam, scale_by_cooldown())
