@@ -9,6 +9,8 @@
     PYTHONPATH=. python scripts/benchmark.py --compile_only --config=configs/big.py --config.mesh.fsdp=8
     # beam-4 decoding speed, and the speed-up of caching cross-attention keys/values
     PYTHONPATH=. python scripts/benchmark.py --mode=decode --shape=small
+    # where the time goes: the 20 most expensive XLA ops of the step (or search), with their HLO
+    PYTHONPATH=. python scripts/benchmark.py --mode=train --shape=small --profile=20
 
 --mode=decode: beam search of `--batch` random source sentences of `--source_length` tokens, every sentence
 decoding exactly `--new_tokens` tokens (early stopping off, as the peers' `generate(eos_token_id=None)`), in
@@ -67,6 +69,8 @@ flags.DEFINE_integer("beam_size", 4, "decode: beam size.")
 flags.DEFINE_integer("repeats", 3, "decode: timed runs (the median is reported).")
 flags.DEFINE_bool("compare_recompute", True, "decode: also time recomputing cross-attention keys/values per step.")
 flags.DEFINE_string("output", "", "Append the result as one JSON line to this file.")
+flags.DEFINE_integer("profile", 0, "Also trace the step (train) or the cached search (decode) with jax.profiler "
+                     "and print the N most expensive XLA ops with their HLO, and the time per op kind.")
 
 # The peers' shapes (/work/shared/peers/bench_common.CONFIGS), with their dropout 0.1 on embeddings and sublayers.
 SHAPES = {
@@ -181,6 +185,13 @@ def run_train(config, sizes: dict, *, steps: int, warmup: int, peak_size: int) -
         times.append(time.perf_counter() - start)
     if not np.isfinite(float(metrics["loss"])):
         raise FloatingPointError("non-finite loss in the benchmark")
+    profile = {}
+    if flags.FLAGS.profile:
+        def step():
+            nonlocal state
+            state, _ = compiled(state, batch)
+            return state
+        profile = profile_ops(step, 3, compiled.as_text(), flags.FLAGS.profile)
     median = float(np.median(times))
     device = jax.devices()[0]
     if device.platform == "cpu":  # measured now, in the same conditions as the steps
@@ -200,10 +211,49 @@ def run_train(config, sizes: dict, *, steps: int, warmup: int, peak_size: int) -
         mfu=peak and flops / median / (peak * jax.device_count()), memory=memory_of(compiled),
         max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, final_loss=float(metrics["loss"]
                                                                                                  / target_tokens))
+    if profile:
+        result["profile"] = profile
     stats = device.memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         result["memory"]["peak_bytes_in_use"] = int(stats["peak_bytes_in_use"])
     return result
+
+
+def profile_ops(fn, calls: int, hlo_text: str, top: int) -> dict:
+    """Run fn() `calls` times under jax.profiler and sum each XLA op's (thunk's) time per call: where the time
+    goes, op by op. Ops may overlap on several threads, so the sum can exceed the wall time a little."""
+    import collections
+    import glob
+    import gzip
+    import re
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder, create_perfetto_trace=True):
+            for _ in range(calls):
+                jax.block_until_ready(fn())
+        with gzip.open(glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)[0]) as handle:
+            events = json.load(handle)["traceEvents"]
+    per_op = collections.Counter()
+    for event in events:  # leaf ops only: not the executor, the thread pool, python frames or the jit call
+        if event.get("ph") == "X" and not event["name"].startswith(("ThunkExecutor", "$", "Slinky", "Pjit")):
+            per_op[event["name"]] += event["dur"] / 1e3 / calls
+    instructions = {}
+    for line in hlo_text.splitlines():
+        match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.*)", line)
+        if match:
+            instructions.setdefault(match.group(1), re.sub(r", metadata=.*", "", match.group(2)))
+    kinds = collections.Counter()
+    for name, ms in per_op.items():
+        kinds[re.sub(r"\.\d+$", "", name)] += ms
+    print(f"\nXLA ops, ms per call (sum {sum(per_op.values()):,.1f}), by kind:")
+    for kind, ms in kinds.most_common(12):
+        print(f"{ms:10.1f}  {kind}")
+    print(f"the {top} most expensive:")
+    for name, ms in per_op.most_common(top):
+        print(f"{ms:10.1f}  {name}: {instructions.get(name, '?')[:160]}")
+    return {"sum_ms": sum(per_op.values()), "kinds_ms": dict(kinds.most_common(12)),
+            "top_ms": dict(per_op.most_common(top))}
 
 
 def timed(fn, repeats: int) -> tuple[float, list[float]]:
@@ -263,6 +313,9 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
                             decoded_length=int(np.max(np.sum(sequences != 0, axis=1))))
         print(f"{name}: {batch / median:.1f} sentences/s, {batch * new_tokens / median:.0f} tokens/s "
               f"(median of {[round(t, 3) for t in times]} s; first call {first:.1f} s)", flush=True)
+        if flags.FLAGS.profile and name == "cached":
+            hlo = search.lower(params, inputs).compile().as_text()  # the same program, from the jit cache
+            result["profile"] = profile_ops(lambda: search(params, inputs)[0], 1, hlo, flags.FLAGS.profile)
     if compare_recompute:
         result["cached_speedup"] = result["recomputed"]["median_seconds"] / result["cached"]["median_seconds"]
         print(f"caching cross-attention keys/values is {result['cached_speedup']:.2f}x faster", flush=True)

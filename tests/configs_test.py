@@ -110,5 +110,6 @@ def test_the_multi30k_recipe_stops_on_a_time_budget_after_a_cooldown():
     settings = Settings.from_config(load("multi30k"))
     assert settings.train.max_train_minutes == 20 and settings.optimizer.cooldown_fraction > 0
     assert settings.decode.average_last <= 1  # val chose the final parameters over an average (docstring)
+    assert settings.model_config(8000).init_std == 0.02  # val chose the peer's N(0, 0.02) init (docstring)
     assert (settings.data.valid_split, settings.data.test_split) == ("val", "test2016")
     assert settings.data.source_lang == "en" and settings.data.target_lang == "de"

@@ -58,7 +58,8 @@ def test_a_time_budget_cools_down_from_its_last_fraction_to_a_projected_last_ste
     start, end = optim.cooldown_steps(resumed.state.opt_state)
     total = result["step"]
     assert total >= 20 and abs(start - total / 2) <= 3 and abs(end - total) <= 2, (start, end, total)
-    assert total == end or (total < end and result["train_seconds"] >= 30)
+    assert result["train_seconds"] <= 30  # the budget is checked at the step it is projected to run out
+    assert total == end or (total < end and result["train_seconds"] > 30 - 2)  # within a step or two of it
     rates, schedule = learning_rates(tmp_path), schedule_of(config)
     factor = lambda step: min((end - step + 1) / (end - start + 1), 1.0)  # noqa: E731
     np.testing.assert_allclose([rates[s] for s in sorted(rates)],

@@ -440,6 +440,9 @@ class Run:
         final_step = train_config.num_train_steps
         if self.cooldown_window:
             final_step = min(final_step, self.cooldown_window[1])
+        # Under a budget, an extra check at the step where the budget is projected to run out, so that a run stops
+        # within a step of it rather than at the first log step past it (10 steps were 12 s over on Multi30k).
+        budget_check = None
         for step in range(start_step + 1, final_step + 1):
             if fraction and self.cooldown_window is None and step >= steps_start:
                 self._begin_cooldown(step, train_config.num_train_steps, progress)
@@ -448,10 +451,15 @@ class Run:
             pending.append(step_metrics)
             # Also at checkpoint steps: a non-finite state must stop the run before it is saved.
             if step % train_config.log_every_steps == 0 or step % train_config.checkpoint_every_steps == 0 \
-                    or step == final_step or (self.cooldown_window and step == self.cooldown_window[1]):
+                    or step == final_step or (self.cooldown_window and step == self.cooldown_window[1]) \
+                    or step == budget_check:
                 summary = summarize(jax.device_get(pending))  # the loop's only host sync
-                now = time.perf_counter()
+                now, before = time.perf_counter(), self.train_seconds
                 self.train_seconds = agreed_seconds(self.train_seconds + now - last_time, timed)
+                # On the agreed clock, so every process decides alike: whole steps of this pace the budget has left.
+                step_seconds = (self.train_seconds - before) / max(step - last_step, 1)
+                steps_left = (budget_seconds - self.train_seconds) / max(step_seconds, 1e-9)
+                budget_check = step + int(steps_left) if steps_left < train_config.log_every_steps else None
                 summary["train_seconds"] = self.train_seconds  # training only: no compilation or evaluation
                 summary.update(throughput_metrics(summary, self.model_config, now - last_time, step - last_step,
                                                   peak_flops))
@@ -468,9 +476,10 @@ class Run:
                                f"({summary['all_tokens_per_second']:.0f} with source), "
                                f"MFU {summary.get('mfu', float('nan')):.3f}, ETA {eta:.0f}s")
                 pending, last_time, last_step = [], time.perf_counter(), step
-                if self.train_seconds >= budget_seconds:
+                if steps_left < 1:  # spent, or the next step would pass it
                     progress.write(f"step {step}: the time budget of train.max_train_minutes="
-                                   f"{train_config.max_train_minutes:g} is spent ({self.train_seconds:.0f}s of training)")
+                                   f"{train_config.max_train_minutes:g} is spent ({self.train_seconds:.0f}s of training"
+                                   f"{'' if steps_left <= 0 else ', less than a step of it left'})")
                     self.checkpointer.save(step, self.state, data_state=data_state, force=True)
                     break
                 if self.cooldown_window and step >= self.cooldown_window[1] and step < final_step:
