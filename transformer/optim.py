@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-DECAYS = ("rsqrt", "constant")
+DECAYS = ("rsqrt", "constant")  # OptimizerConfig.decay: what the learning rate does after the warmup
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
