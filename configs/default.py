@@ -103,6 +103,8 @@ def get_config() -> ml_collections.ConfigDict:
     decode.temperature = 0.0  # > 0: sample from softmax(logits / temperature) instead of searching (research use)
     decode.top_k = 0  # with temperature > 0: sample among the k most likely tokens only (0 = all)
     decode.average_last = 0  # eval.py averages the parameters of the last N checkpoints (0 or 1: no averaging)
+    decode.cache_blocks = 0  # the self-attention cache in N blocks, a step reads only those written so far: faster
+    # steps, longer compilation; outputs do not depend on it. 0: 4 for beam search, 1 for greedy (decode.py)
     return config
 
 

@@ -277,7 +277,7 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
 
     from flax import nnx
 
-    from transformer import trainer
+    from transformer import decode, trainer
     from transformer.decode import beam_search
     from transformer.model import Transformer
 
@@ -287,7 +287,9 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
                              "an output may have at most source length + max_extra_length tokens")
     with config.unlocked():
         config.model.dtype, config.model.dropout_rate = "float32", 0.0
-    config = trainer.Settings.from_config(config).model_config(sizes["vocab_size"])
+    settings = trainer.Settings.from_config(config)
+    config = settings.model_config(sizes["vocab_size"])
+    cache_blocks = decode.cache_blocks_for(settings.decode.cache_blocks, beam_size)
     graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
     params = nnx.to_pure_dict(params)
     inputs = np.random.default_rng(1).integers(3, config.vocab_size, size=(batch, source_length)).astype(np.int32)
@@ -295,7 +297,8 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
     # every sentence runs to that limit.
     max_extra_length = new_tokens - source_length
     result = dict(mode="decode", shape=flags.FLAGS.shape, batch=batch, source_length=source_length,
-                  new_tokens=new_tokens, beam_size=beam_size, dtype="float32", backend=jax.default_backend(),
+                  new_tokens=new_tokens, beam_size=beam_size, cache_blocks=cache_blocks, dtype="float32",
+                  backend=jax.default_backend(),
                   devices=str(jax.devices()), jax=jax.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   model={key: getattr(config, key) for key in ("emb_dim", "num_heads", "num_encoder_layers",
@@ -304,7 +307,7 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
     for name, recompute in variants.items():
         search = jax.jit(functools.partial(beam_search, graphdef=graphdef, beam_size=beam_size, alpha=0.6,
                                            max_extra_length=max_extra_length, early_stopping=False,
-                                           recompute_cross_attention=recompute))
+                                           cache_blocks=cache_blocks, recompute_cross_attention=recompute))
         first, times = timed(lambda: search(params, inputs)[0], repeats)
         sequences = np.asarray(search(params, inputs)[0][:, 0])
         median = statistics.median(times)

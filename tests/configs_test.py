@@ -73,6 +73,10 @@ def test_unknown_and_invalid_settings_fail_naming_the_key():
     with pytest.raises(ValueError, match="num_heads=3 must divide emb_dim=128"):
         Settings.from_config(config)
     config = load("default")
+    config.decode.cache_blocks = -1
+    with pytest.raises(ValueError, match="decode.cache_blocks=-1 must be >= 0"):
+        Settings.from_config(config)
+    config = load("default")
     config.decode.bleu_splits = "valid,dev"
     with pytest.raises(ValueError, match="'dev'"):
         Settings.from_config(config)

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from transformer.decode import NEG_INF, beam_search, greedy_search, length_penalty, make_search
+from transformer.decode import NEG_INF, beam_search, cache_blocks_for, greedy_search, length_penalty, make_search
 from transformer.model import ModelConfig, Transformer
 from transformer.steps import shift_right
 from transformer.tokenizer import EOS_ID
 
 
-jitted_beam_search = jax.jit(beam_search, static_argnames=(
-    "graphdef", "beam_size", "alpha", "max_extra_length", "early_stopping", "recompute_cross_attention"))
+jitted_beam_search = jax.jit(beam_search, static_argnames=("graphdef", "beam_size", "alpha", "max_extra_length",
+                                                           "early_stopping", "cache_blocks", "recompute_cross_attention"))
 
 
 def build(vocab_size, seed, **shapes):
@@ -48,16 +48,17 @@ def length_of(tokens):
     return int(np.argmax(tokens == EOS_ID)) + 1 if EOS_ID in tokens else len(tokens)
 
 
-def test_cached_incremental_logits_equal_the_teacher_forced_pass(model_and_search):
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_cached_incremental_logits_equal_the_teacher_forced_pass(model_and_search, blocks):
     graphdef, params, _ = model_and_search
     decoder_inputs = jnp.array([[0, 5, 9, 3, 12, 7], [0, 17, 2, 2, 8, 4], [0, 1, 1, 1, 1, 1]])
 
     @jax.jit
     def both(params):
         model = nnx.merge(graphdef, params)
-        cache = model.init_cache(model.encode(INPUTS), decoder_inputs.shape[1])
+        cache = model.init_cache(model.encode(INPUTS), decoder_inputs.shape[1], blocks)
         steps = []
-        for index in range(decoder_inputs.shape[1]):
+        for index in range(decoder_inputs.shape[1]):  # each step reads only the blocks up to its own
             logits, cache = model.decode_step(decoder_inputs[:, index], jnp.int32(index), cache, INPUTS)
             steps.append(logits)
         return jnp.stack(steps, axis=1), model(INPUTS, decoder_inputs)
@@ -179,6 +180,23 @@ def test_beam_search_without_early_stopping_gives_the_same_best(model_and_search
     np.testing.assert_array_equal(early, full)
     np.testing.assert_allclose(early_scores, full_scores, rtol=1e-6)
     np.testing.assert_array_equal(recomputed, full)
+
+
+def test_cache_blocks_change_no_output(model_and_search):
+    """A cache in blocks (each step reading the blocks written so far) decodes exactly as one block: 14
+    positions in 3 blocks of 5 (one position never used), beam and greedy, with early stopping."""
+    graphdef, params, search = model_and_search
+    kw = dict(graphdef=graphdef, beam_size=4, alpha=0.6, max_extra_length=6)
+    one, one_scores = jitted_beam_search(params, INPUTS, **kw)
+    three, three_scores = jitted_beam_search(params, INPUTS, cache_blocks=3, **kw)
+    assert (np.asarray(one[:2, 0]) == EOS_ID).any(axis=1).all()  # real hypotheses, not empty slots
+    np.testing.assert_array_equal(three, one)
+    np.testing.assert_allclose(three_scores, one_scores, rtol=1e-5)
+    greedy = jax.jit(functools.partial(greedy_search, graphdef=graphdef, max_extra_length=6, cache_blocks=3))
+    np.testing.assert_array_equal(greedy(params, INPUTS), search(params, INPUTS))
+    with pytest.raises(ValueError, match="cache_blocks=0 must be >= 1"):
+        jitted_beam_search(params, INPUTS, cache_blocks=0, **kw)
+    assert (cache_blocks_for(0, 4), cache_blocks_for(0, 1), cache_blocks_for(2, 1)) == (4, 1, 2)
 
 
 def test_sampling_is_seeded_and_top_k_one_is_greedy(model_and_search):

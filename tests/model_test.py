@@ -71,11 +71,14 @@ def test_cached_decoding_equals_teacher_forced_pass(model):
     np.testing.assert_allclose(decode_all(model, INPUTS, DECODER_INPUTS), logits, atol=1e-4)
 
 
-def test_caches_are_head_major_and_the_layout_round_trips():
+def test_caches_are_head_major_in_blocks_and_the_layout_round_trips():
     model = Transformer(ModelConfig(**TINY), rngs=nnx.Rngs(0))
-    layer_cache = model.init_cache(jnp.ones((2, 7, 32)), 5)[0]
-    # keys [batch, heads, head_dim, length], values [batch, heads, length, head_dim]
-    assert layer_cache["key"].shape == (2, 4, 8, 5) and layer_cache["value"].shape == (2, 4, 5, 8)
+    layer_cache = model.init_cache(jnp.ones((2, 7, 32)), 6, blocks=2)[0]
+    # keys [batch, heads, head_dim, length], values [batch, heads, length, head_dim]; self-attention in 2 blocks of 3
+    assert [x.shape for x in layer_cache["key"]] == [(2, 4, 8, 3)] * 2
+    assert [x.shape for x in layer_cache["value"]] == [(2, 4, 3, 8)] * 2
+    with pytest.raises(ValueError, match="blocks=4 must be >= 1 and divide max_decode_length=6"):
+        model.init_cache(jnp.ones((2, 7, 32)), 6, blocks=4)
     assert layer_cache["cross_key"].shape == (2, 4, 8, 7) and layer_cache["cross_value"].shape == (2, 4, 7, 8)
     keys, values = (jax.random.normal(jax.random.key(i), (2, 7, 4, 8)) for i in (1, 2))
     for got, expected in zip(from_cache_layout(*to_cache_layout(keys, values)), (keys, values)):

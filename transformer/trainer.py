@@ -93,6 +93,7 @@ class DecodeConfig:
     temperature: float = 0.0
     top_k: int = 0
     average_last: int = 0
+    cache_blocks: int = 0
 
     def __post_init__(self):
         if self.batch_size <= 0:
@@ -103,6 +104,9 @@ class DecodeConfig:
             raise ValueError(f"decode.beam_size={self.beam_size} must be >= 1")
         if self.alpha < 0:  # early stopping's bound on what a live beam can reach needs alpha >= 0
             raise ValueError(f"decode.alpha={self.alpha} must be >= 0")
+        if self.cache_blocks < 0:
+            raise ValueError(f"decode.cache_blocks={self.cache_blocks} must be >= 0 (0: 4 for beam search, "
+                             "1 otherwise)")
         if self.temperature < 0 or self.top_k < 0 or self.average_last < 0:
             raise ValueError(f"decode.temperature={self.temperature}, decode.top_k={self.top_k} and "
                              f"decode.average_last={self.average_last} must be >= 0")
@@ -110,7 +114,8 @@ class DecodeConfig:
     def search_fn(self, graphdef: nnx.GraphDef, seed: int) -> decode.Search:
         return decode.make_search(graphdef, max_extra_length=self.max_extra_length, beam_size=self.beam_size,
                                   alpha=self.alpha, early_stopping=self.early_stopping,
-                                  temperature=self.temperature, top_k=self.top_k, seed=seed)
+                                  temperature=self.temperature, top_k=self.top_k, seed=seed,
+                                  cache_blocks=self.cache_blocks)
 
     @property
     def splits(self) -> list[str]:
