@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 from transformer.decode import NEG_INF, beam_search, cache_blocks_for, greedy_search, length_penalty, make_search
-from transformer.model import ModelConfig, Transformer
+from transformer.model import (ModelConfig, Transformer, cached_attention, dot_product_attention, to_cache_layout,
+                               write_cache_rows)
 from transformer.steps import shift_right
 from transformer.tokenizer import EOS_ID
 
@@ -183,20 +184,42 @@ def test_beam_search_without_early_stopping_gives_the_same_best(model_and_search
 
 
 def test_cache_blocks_change_no_output(model_and_search):
-    """A cache in blocks (each step reading the blocks written so far) decodes exactly as one block: 14
-    positions in 3 blocks of 5 (one position never used), beam and greedy, with early stopping."""
+    """A cache in blocks (each step reading the blocks written so far) decodes as one block: 14 positions in 3
+    blocks of 5 (one position never used), all run (no early stop), beam and greedy."""
     graphdef, params, search = model_and_search
-    kw = dict(graphdef=graphdef, beam_size=4, alpha=0.6, max_extra_length=6)
-    one, one_scores = jitted_beam_search(params, INPUTS, **kw)
+    kw = dict(graphdef=graphdef, beam_size=4, alpha=0.6, max_extra_length=6, early_stopping=False)
+    one, one_scores = jitted_beam_search(params, INPUTS, cache_blocks=1, **kw)
     three, three_scores = jitted_beam_search(params, INPUTS, cache_blocks=3, **kw)
-    assert (np.asarray(one[:2, 0]) == EOS_ID).any(axis=1).all()  # real hypotheses, not empty slots
+    assert max(length_of(np.asarray(s)) for s in one[1]) > 10  # hypotheses that reach the last block
     np.testing.assert_array_equal(three, one)
     np.testing.assert_allclose(three_scores, one_scores, rtol=1e-5)
     greedy = jax.jit(functools.partial(greedy_search, graphdef=graphdef, max_extra_length=6, cache_blocks=3))
     np.testing.assert_array_equal(greedy(params, INPUTS), search(params, INPUTS))
-    with pytest.raises(ValueError, match="cache_blocks=0 must be >= 1"):
-        jitted_beam_search(params, INPUTS, cache_blocks=0, **kw)
+    with pytest.raises(ValueError, match="cache_blocks=-1 must be >= 0"):
+        jitted_beam_search(params, INPUTS, cache_blocks=-1, **kw)
     assert (cache_blocks_for(0, 4), cache_blocks_for(0, 1), cache_blocks_for(2, 1)) == (4, 1, 2)
+
+
+def test_cache_rows_written_in_blocks_equal_one_array():
+    blocks = tuple(jnp.zeros((2, 3, 4)) for _ in range(3))
+    whole = jnp.zeros((2, 3, 12))
+    for index in range(0, 12, 2):
+        rows = jnp.full((2, 3, 2), index + 1.0)
+        blocks = write_cache_rows(blocks, rows, 2, jnp.int32(index))
+        whole = jax.lax.dynamic_update_slice_in_dim(whole, rows, index, 2)
+        np.testing.assert_array_equal(jnp.concatenate(blocks, axis=2), whole)
+
+
+def test_attention_over_blocks_equals_attention_over_the_whole_cache():
+    keys, values, query = (jax.random.normal(jax.random.key(i), shape) for i, shape in
+                           enumerate([(2, 9, 4, 8), (2, 9, 4, 8), (2, 3, 4, 8)]))
+    mask = jax.random.bernoulli(jax.random.key(5), 0.6, (2, 1, 3, 12)).at[0, 0, 1].set(False)  # a row all masked
+    key_blocks, value_blocks = to_cache_layout(keys, values)
+    expected = dot_product_attention(query, keys, values, mask[..., :9], nnx.Dropout(0.0), deterministic=True,
+                                     rngs=None, fused=False)
+    got = cached_attention(query, tuple(jnp.split(key_blocks, 3, axis=3)), tuple(jnp.split(value_blocks, 3, axis=2)),
+                           mask)  # the mask's 3 columns beyond the blocks are not read
+    np.testing.assert_allclose(got, expected, atol=1e-6)
 
 
 def test_sampling_is_seeded_and_top_k_one_is_greedy(model_and_search):

@@ -90,16 +90,18 @@ def cache_block_length(max_decode_length: int, blocks: int) -> int:
 
 def greedy_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, max_extra_length: int,
                   temperature: float = 0.0, top_k: int = 0, rng: jax.Array | None = None,
-                  cache_blocks: int = 1) -> jax.Array:
+                  cache_blocks: int = 0) -> jax.Array:
     """inputs [batch, src_length] -> output ids [batch, src_length + max_extra_length], padded with 0 after EOS.
 
     temperature 0 takes the argmax (greedy search); temperature > 0 samples from softmax(logits / temperature),
     restricted to the top_k most likely tokens when top_k > 0, with key fold_in(rng, position).
     Stops once every row has produced EOS (rows of all-padding inputs count as finished).
-    cache_blocks: the self-attention cache's blocks (Transformer.init_cache); the outputs do not depend on it.
+    cache_blocks: the self-attention cache's blocks (Transformer.init_cache; 0: cache_blocks_for's choice, 1); the
+    outputs are the same up to float rounding.
     """
     model = nnx.merge(graphdef, params)
     batch, max_decode_length = inputs.shape[0], inputs.shape[1] + max_extra_length
+    cache_blocks = cache_blocks_for(cache_blocks, 1)
     block_length = cache_block_length(max_decode_length, cache_blocks)
     limits = output_limits(inputs, max_extra_length)
     cache = model.init_cache(model.encode(inputs), block_length * cache_blocks, cache_blocks)
@@ -144,22 +146,23 @@ def _beam_step(model, tokens: jax.Array, index: jax.Array, cache: PyTree, ancest
     """One decoding position for every hypothesis without moving the self-attention cache when beams reorder.
 
     tokens [batch, beams]; the beams are the decoder's "length" axis, so one sentence's beams share its
-    cross-attention keys/values (never repeated). The self-attention cache has max_decode_length * beams rows
-    (its length axis, see model.to_cache_layout), position-major: the hypothesis in beam slot j writes position t
-    to row t * beams + j, where it stays. ancestors [batch, beams, max_decode_length] says which slot holds
+    cross-attention keys/values (never repeated). The self-attention cache has length * beams rows (its length
+    axis, see model.to_cache_layout; length: the decode length padded to whole cache blocks), position-major: the
+    hypothesis in beam slot j writes position t to row t * beams + j, where it stays. ancestors [batch, beams,
+    length] says which slot holds
     each position of each hypothesis, and the self-attention mask lets it see exactly those rows (softmax over
     the same keys as a reordered cache, plus masked ones). Reordering then moves this small int table instead
     of every layer's keys and values, which cost ~22% of a beam-4 step on CPU.
     -> (logits [batch, beams, vocab] float32, cache).
     """
     batch, beams = tokens.shape
-    max_decode_length = ancestors.shape[-1]
-    visible = (ancestors[..., None] == jnp.arange(beams)) & (jnp.arange(max_decode_length) <= index)[:, None]
-    self_mask = visible.reshape(batch, 1, beams, max_decode_length * beams)
+    length = ancestors.shape[-1]
+    visible = (ancestors[..., None] == jnp.arange(beams)) & (jnp.arange(length) <= index)[:, None]
+    self_mask = visible.reshape(batch, 1, beams, length * beams)
     x = model.target_embedder(tokens, jnp.full(tokens.shape, index, jnp.int32), deterministic=True, rngs=None)
     new_cache = []
     for layer, layer_cache in zip(model.decoder_layers, cache):
-        # cache_index addresses rows: position `index` of all beams is the block index * beams ... + beams - 1.
+        # cache_index addresses rows: position `index` of all beams is rows index * beams ... index * beams + beams - 1.
         x, layer_cache = layer(x, None, self_mask, cross_mask, deterministic=True, rngs=None, cache=layer_cache,
                                cache_index=index * beams)
         new_cache.append(layer_cache)
@@ -208,19 +211,21 @@ def _top_extensions(logits: jax.Array, live_scores: jax.Array, at_limit: jax.Arr
 
 
 def beam_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, beam_size: int, alpha: float,
-                max_extra_length: int, early_stopping: bool = True, cache_blocks: int = 1,
+                max_extra_length: int, early_stopping: bool = True, cache_blocks: int = 0,
                 recompute_cross_attention: bool = False) -> tuple[jax.Array, jax.Array]:
     """inputs [batch, src_length] -> (sequences [batch, beam_size, src_length + max_extra_length], each ending in
     EOS then padding, best first; scores [batch, beam_size], log P / lp, NEG_INF-ish for empty slots).
 
     early_stopping=False runs every row to the full buffer length (for benchmarks). cache_blocks: the
-    self-attention cache's blocks (Transformer.init_cache); the results do not depend on it. recompute_cross_attention
+    self-attention cache's blocks (Transformer.init_cache; 0: cache_blocks_for's choice, 4); the results are the
+    same up to float rounding. recompute_cross_attention
     recomputes the cross-attention keys/values at every step, as flax's examples/wmt does: only there to measure
     what caching them saves.
     """
     model = nnx.merge(graphdef, params)
     batch, src_length = inputs.shape
     beams, max_decode_length = beam_size, src_length + max_extra_length
+    cache_blocks = cache_blocks_for(cache_blocks, beams)
     block_length = cache_block_length(max_decode_length, cache_blocks)
     limits = output_limits(inputs, max_extra_length)
     encoded = model.encode(inputs)

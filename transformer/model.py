@@ -314,17 +314,19 @@ class MultiHeadAttention(nnx.Module):
         return self.output(attended.reshape(*x.shape[:-1], self.config.emb_dim))
 
     def attend_cached(self, x: Array, key_blocks: tuple[Array, ...], value_blocks: tuple[Array, ...], mask: Array,
-                      last_block: Array | int = 0) -> Array:
-        """As __call__, over keys/values held in cache blocks (cached_attention), whatever config.attention: only
-        blocks 0..last_block (dynamic) are read, through a lax.switch with one branch per count of blocks."""
+                      last_block: Array | int) -> Array:
+        """As __call__, over keys/values held in cache blocks (cached_attention): only blocks 0..last_block
+        (dynamic) are read, through a lax.switch with one branch per count of blocks. Decoding always takes this
+        einsum path, whatever config.attention (it has no flash-attention form for a few queries)."""
         query = self.split_heads(self.query(x))
+
+        def read(count, query, key_blocks, value_blocks, mask):
+            return cached_attention(query, key_blocks[:count], value_blocks[:count], mask)
         if len(key_blocks) == 1:
-            attended = cached_attention(query, key_blocks, value_blocks, mask)
-        else:
-            attended = jax.lax.switch(jnp.clip(last_block, 0, len(key_blocks) - 1), [
-                functools.partial(lambda count, query, keys, values, mask: cached_attention(
-                    query, keys[:count], values[:count], mask), count) for count in range(1, len(key_blocks) + 1)],
-                query, key_blocks, value_blocks, mask)
+            attended = read(1, query, key_blocks, value_blocks, mask)
+        else:  # lax.switch clamps the index into range
+            attended = jax.lax.switch(last_block, [functools.partial(read, count) for count in
+                                                   range(1, len(key_blocks) + 1)], query, key_blocks, value_blocks, mask)
         return self.output(attended.reshape(*x.shape[:-1], self.config.emb_dim))
 
 
@@ -416,10 +418,12 @@ class DecoderLayer(nnx.Module):
 
         def cross_attend(y):
             if cache is not None and y.shape[1] == 1:
-                # One query per sentence (greedy search, sampling): as products over the cache, 2.2x faster for
-                # the whole 'base' greedy search on CPU than the few-query multiply-and-sum, whose broadcast XLA
-                # materialises; the beams of beam search keep the multiply-and-sum (~6% faster there).
-                return self.cross_attention.attend_cached(y, (cache["cross_key"],), (cache["cross_value"],), cross_mask)
+                # One query per sentence (greedy search, sampling): as einsums over the cache. With the few-query
+                # multiply-and-sum, XLA materialised a broadcast of the keys at every step: this change alone made
+                # a 'base' greedy search 2.2x faster on CPU (docs/benchmarks.md). The beams of beam search keep
+                # the multiply-and-sum (~6% faster there).
+                return self.cross_attention.attend_cached(y, (cache["cross_key"],), (cache["cross_value"],),
+                                                          cross_mask, 0)
             if cache is not None:
                 keys, values = from_cache_layout(cache["cross_key"], cache["cross_value"])
             else:
