@@ -203,23 +203,29 @@ def test_cache_blocks_change_no_output(model_and_search):
 def test_cache_rows_written_in_blocks_equal_one_array():
     blocks = tuple(jnp.zeros((2, 3, 4)) for _ in range(3))
     whole = jnp.zeros((2, 3, 12))
+    write = jax.jit(write_cache_rows, static_argnums=2)
     for index in range(0, 12, 2):
         rows = jnp.full((2, 3, 2), index + 1.0)
-        blocks = write_cache_rows(blocks, rows, 2, jnp.int32(index))
+        blocks = write(blocks, rows, 2, jnp.int32(index))
         whole = jax.lax.dynamic_update_slice_in_dim(whole, rows, index, 2)
         np.testing.assert_array_equal(jnp.concatenate(blocks, axis=2), whole)
 
 
 def test_attention_over_blocks_equals_attention_over_the_whole_cache():
-    keys, values, query = (jax.random.normal(jax.random.key(i), shape) for i, shape in
-                           enumerate([(2, 9, 4, 8), (2, 9, 4, 8), (2, 3, 4, 8)]))
-    mask = jax.random.bernoulli(jax.random.key(5), 0.6, (2, 1, 3, 12)).at[0, 0, 1].set(False)  # a row all masked
-    key_blocks, value_blocks = to_cache_layout(keys, values)
-    expected = dot_product_attention(query, keys, values, mask[..., :9], nnx.Dropout(0.0), deterministic=True,
-                                     rngs=None, fused=False)
-    got = cached_attention(query, tuple(jnp.split(key_blocks, 3, axis=3)), tuple(jnp.split(value_blocks, 3, axis=2)),
-                           mask)  # the mask's 3 columns beyond the blocks are not read
-    np.testing.assert_allclose(got, expected, atol=1e-6)
+    rng = np.random.default_rng(0)
+    keys, values, query = (rng.normal(size=shape).astype(np.float32) for shape in [(2, 9, 4, 8), (2, 9, 4, 8),
+                                                                                    (2, 3, 4, 8)])
+    mask = rng.random((2, 1, 3, 12)) < 0.6
+    mask[0, 0, 1] = False  # a row all masked
+    @jax.jit  # one compilation instead of one per op
+    def both(query, keys, values, mask):
+        key_blocks, value_blocks = to_cache_layout(keys, values)
+        expected = dot_product_attention(query, keys, values, mask[..., :9], nnx.Dropout(0.0), deterministic=True,
+                                         rngs=None, fused=False)
+        got = cached_attention(query, tuple(jnp.split(key_blocks, 3, axis=3)),
+                               tuple(jnp.split(value_blocks, 3, axis=2)), mask)  # mask columns 9-11 are not read
+        return got, expected
+    np.testing.assert_allclose(*both(query, keys, values, mask), atol=1e-6)
 
 
 def test_sampling_is_seeded_and_top_k_one_is_greedy(model_and_search):
