@@ -16,7 +16,9 @@
 decoding exactly `--new_tokens` tokens (early stopping off, as the peers' `generate(eos_token_id=None)`), in
 float32; reports sentences/s and new tokens/s (batch * new_tokens / time, as the peers count them), and the
 speed-up of caching the cross-attention keys/values against recomputing them at every step (flax
-examples/wmt's way). Median of --repeats timed runs after one compiling run.
+examples/wmt's way). Median of --repeats timed runs after one compiling run. `--beam_size=1
+--compare_recompute=false` times greedy search instead, as eval.py runs it (a random model rarely emits EOS, so
+it too runs to the limit).
 
 Batches are synthetic: every row holds `source_length` / `target_length` random non-padding tokens (no
 packing), like the peers' harness (/work/shared/peers/hf_throughput.py). Model FLOPs are
@@ -65,7 +67,7 @@ flags.DEFINE_integer("warmup", 3, "Untimed steps after compilation.")
 flags.DEFINE_integer("peak_size", 4096, "CPU: size of the float32 matmul whose FLOP/s is the MFU peak.")
 flags.DEFINE_bool("hugepages", True, "Re-run under GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (see above).")
 flags.DEFINE_integer("new_tokens", 40, "decode: tokens decoded per sentence (no early stop).")
-flags.DEFINE_integer("beam_size", 4, "decode: beam size.")
+flags.DEFINE_integer("beam_size", 4, "decode: beam size (1: greedy search).")
 flags.DEFINE_integer("repeats", 3, "decode: timed runs (the median is reported).")
 flags.DEFINE_bool("compare_recompute", True, "decode: also time recomputing cross-attention keys/values per step.")
 flags.DEFINE_string("output", "", "Append the result as one JSON line to this file.")
@@ -278,7 +280,7 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
     from flax import nnx
 
     from transformer import decode, trainer
-    from transformer.decode import beam_search
+    from transformer.decode import beam_search, greedy_search
     from transformer.model import Transformer
 
     batch, source_length = sizes["batch"], sizes["source_length"]
@@ -303,13 +305,20 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   model={key: getattr(config, key) for key in ("emb_dim", "num_heads", "num_encoder_layers",
                                                                "num_decoder_layers", "mlp_dim", "vocab_size")})
+    if beam_size == 1 and compare_recompute:
+        raise app.UsageError("--beam_size=1 times greedy search, which has no recomputed cross-attention variant: "
+                             "add --compare_recompute=false")
     variants = {"cached": False, "recomputed": True} if compare_recompute else {"cached": False}
     for name, recompute in variants.items():
-        search = jax.jit(functools.partial(beam_search, graphdef=graphdef, beam_size=beam_size, alpha=0.6,
-                                           max_extra_length=max_extra_length, early_stopping=False,
-                                           cache_blocks=cache_blocks, recompute_cross_attention=recompute))
-        first, times = timed(lambda: search(params, inputs)[0], repeats)
-        sequences = np.asarray(search(params, inputs)[0][:, 0])
+        if beam_size == 1:  # what make_search runs for one beam (it stops only once every row has its EOS)
+            search = jax.jit(functools.partial(greedy_search, graphdef=graphdef, max_extra_length=max_extra_length,
+                                               cache_blocks=cache_blocks))
+        else:
+            search = jax.jit(lambda params, inputs: beam_search(
+                params, inputs, graphdef=graphdef, beam_size=beam_size, alpha=0.6, max_extra_length=max_extra_length,
+                early_stopping=False, cache_blocks=cache_blocks, recompute_cross_attention=recompute)[0][:, 0])
+        first, times = timed(lambda: search(params, inputs), repeats)
+        sequences = np.asarray(search(params, inputs))
         median = statistics.median(times)
         result[name] = dict(first_call_seconds=first, seconds=times, median_seconds=median,
                             sentences_per_second=batch / median, tokens_per_second=batch * new_tokens / median,
@@ -320,7 +329,7 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
             # The jitted call does not expose its executable: compile the same program again (untimed) for
             # the HLO that names the traced ops.
             hlo = search.lower(params, inputs).compile().as_text()
-            result["profile"] = profile_ops(lambda: search(params, inputs)[0], 1, hlo, flags.FLAGS.profile)
+            result["profile"] = profile_ops(lambda: search(params, inputs), 1, hlo, flags.FLAGS.profile)
     if compare_recompute:
         result["cached_speedup"] = result["recomputed"]["median_seconds"] / result["cached"]["median_seconds"]
         print(f"caching cross-attention keys/values is {result['cached_speedup']:.2f}x faster", flush=True)

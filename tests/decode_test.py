@@ -14,8 +14,9 @@ from transformer.steps import shift_right
 from transformer.tokenizer import EOS_ID
 
 
-jitted_beam_search = jax.jit(beam_search, static_argnames=("graphdef", "beam_size", "alpha", "max_extra_length",
-                                                           "early_stopping", "cache_blocks", "recompute_cross_attention"))
+jitted_beam_search = jax.jit(beam_search, static_argnames=(
+    "graphdef", "beam_size", "alpha", "max_extra_length", "early_stopping", "cache_blocks",
+    "recompute_cross_attention"))
 
 
 def build(vocab_size, seed, **shapes):

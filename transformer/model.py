@@ -325,8 +325,8 @@ class MultiHeadAttention(nnx.Module):
         if len(key_blocks) == 1:
             attended = read(1, query, key_blocks, value_blocks, mask)
         else:  # lax.switch clamps the index into range
-            attended = jax.lax.switch(last_block, [functools.partial(read, count) for count in
-                                                   range(1, len(key_blocks) + 1)], query, key_blocks, value_blocks, mask)
+            branches = [functools.partial(read, count) for count in range(1, len(key_blocks) + 1)]
+            attended = jax.lax.switch(last_block, branches, query, key_blocks, value_blocks, mask)
         return self.output(attended.reshape(*x.shape[:-1], self.config.emb_dim))
 
 
