@@ -149,10 +149,9 @@ def _beam_step(model, tokens: jax.Array, index: jax.Array, cache: PyTree, ancest
     cross-attention keys/values (never repeated). The self-attention cache has length * beams rows (its length
     axis, see model.to_cache_layout; length: the decode length padded to whole cache blocks), position-major: the
     hypothesis in beam slot j writes position t to row t * beams + j, where it stays. ancestors [batch, beams,
-    length] says which slot holds
-    each position of each hypothesis, and the self-attention mask lets it see exactly those rows (softmax over
-    the same keys as a reordered cache, plus masked ones). Reordering then moves this small int table instead
-    of every layer's keys and values, which cost ~22% of a beam-4 step on CPU.
+    length] says which slot holds each position of each hypothesis, and the self-attention mask lets it see
+    exactly those rows (softmax over the same keys as a reordered cache, plus masked ones). Reordering then moves
+    this small int table instead of every layer's keys and values, which cost ~22% of a beam-4 step on CPU.
     -> (logits [batch, beams, vocab] float32, cache).
     """
     batch, beams = tokens.shape
@@ -218,9 +217,8 @@ def beam_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, be
 
     early_stopping=False runs every row to the full buffer length (for benchmarks). cache_blocks: the
     self-attention cache's blocks (Transformer.init_cache; 0: cache_blocks_for's choice, 4); the results are the
-    same up to float rounding. recompute_cross_attention
-    recomputes the cross-attention keys/values at every step, as flax's examples/wmt does: only there to measure
-    what caching them saves.
+    same up to float rounding. recompute_cross_attention recomputes the cross-attention keys/values at every
+    step, as flax's examples/wmt does: only there to measure what caching them saves.
     """
     model = nnx.merge(graphdef, params)
     batch, src_length = inputs.shape
