@@ -305,6 +305,11 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   model={key: getattr(config, key) for key in ("emb_dim", "num_heads", "num_encoder_layers",
                                                                "num_decoder_layers", "mlp_dim", "vocab_size")})
+    def best_of_beams(params, inputs, recompute_cross_attention):
+        return beam_search(params, inputs, graphdef=graphdef, beam_size=beam_size, alpha=0.6,
+                           max_extra_length=max_extra_length, early_stopping=False, cache_blocks=cache_blocks,
+                           recompute_cross_attention=recompute_cross_attention)[0][:, 0]
+
     if beam_size == 1 and compare_recompute:
         raise app.UsageError("--beam_size=1 times greedy search, which has no recomputed cross-attention variant: "
                              "add --compare_recompute=false")
@@ -314,9 +319,7 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
             search = jax.jit(functools.partial(greedy_search, graphdef=graphdef, max_extra_length=max_extra_length,
                                                cache_blocks=cache_blocks))
         else:
-            search = jax.jit(lambda params, inputs: beam_search(
-                params, inputs, graphdef=graphdef, beam_size=beam_size, alpha=0.6, max_extra_length=max_extra_length,
-                early_stopping=False, cache_blocks=cache_blocks, recompute_cross_attention=recompute)[0][:, 0])
+            search = jax.jit(functools.partial(best_of_beams, recompute_cross_attention=recompute))
         first, times = timed(lambda: search(params, inputs), repeats)
         sequences = np.asarray(search(params, inputs))
         median = statistics.median(times)

@@ -77,10 +77,8 @@ def cache_blocks_for(cache_blocks: int, beam_size: int) -> int:
 
 
 def cache_block_length(max_decode_length: int, blocks: int) -> int:
-    """Positions per block of a self-attention cache of `blocks` blocks that holds max_decode_length positions
-    (the last block may hold a few unused ones)."""
-    if blocks < 1:
-        raise ValueError(f"cache_blocks={blocks} must be >= 1")
+    """Positions per block of a self-attention cache of `blocks` (>= 1, from cache_blocks_for) blocks that holds
+    max_decode_length positions (the last block may hold a few unused ones)."""
     return -(-max_decode_length // blocks)
 
 
