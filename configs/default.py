@@ -83,7 +83,7 @@ def get_config() -> ml_collections.ConfigDict:
     train.max_train_minutes = 0.0  # a CPU/GPU-time budget: stop after this many minutes of training (0: none)
     train.report_minutes = ""  # e.g. "20": at these training minutes also score the averaged last checkpoints
     train.num_microbatches = 1  # gradient accumulation: split each batch into N sequential slices, one update
-    train.dropout_rng = "threefry2x32"  # threefry2x32 (same masks on any mesh) | rbg | unsafe_rbg (cheaper on CPU)
+    train.dropout_rng = "counter_hash"  # counter_hash (cheapest) or threefry2x32: same masks on any mesh; rbg | unsafe_rbg
 
     # Devices: a mesh of (data, fsdp, tensor); one size may be -1 (the remaining devices). Logical axis names
     # of the parameters map to mesh axes by `rules` (transformer/sharding.py): `name=axis[+axis], ...`.

@@ -4,12 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from transformer.model import ModelConfig
 from transformer.optim import OptimizerConfig, make_optimizer
-from transformer.steps import (eval_step, label_smoothed_cross_entropy, shift_right, summarize, token_metrics,
-                              train_step)
-from transformer.trainer import create_train_state, model_graphdef
+from transformer.steps import (dropout_rngs, eval_step, label_smoothed_cross_entropy, shift_right, summarize,
+                              token_metrics, train_step)
+from transformer.trainer import TrainConfig, create_train_state, model_graphdef
 
 
 def test_label_smoothed_loss_matches_a_hand_computation():
@@ -102,3 +103,32 @@ def test_train_and_eval_steps_make_no_implicit_host_transfers(compiled):
         state, metrics = train(state, batch)
         evaluate(state.params, batch)
     assert jax.device_get(metrics)["denominator"] == 10.0
+
+
+def test_counter_hash_dropout_bits_are_uniform_independent_and_deterministic():
+    key = jax.random.fold_in(jax.random.PRNGKey(7), 3)
+    draw = jax.jit(lambda key: dropout_rngs(key, "counter_hash").dropout())
+    bits = np.asarray(jax.random.bits(draw(key), (1 << 20,), jnp.uint32))
+    np.testing.assert_array_equal(bits, jax.random.bits(draw(key), (1 << 20,), jnp.uint32))  # same key, same bits
+    assert len(np.unique(bits)) == bits.size  # one key maps distinct positions to distinct words
+    # Every bit position is a fair coin (binomial std 0.0005 over 2^20 draws): catches a weak or missing mix.
+    per_bit = np.unpackbits(bits.view(np.uint8)).reshape(-1, 32).mean(axis=0)
+    np.testing.assert_array_less(np.abs(per_bit - 0.5), 0.003)
+    uniform = bits / 2.0**32
+    for lag in (1, 2, 256, 1024):  # neighbours along a row and down a [*, 256] / [*, 1024] activation
+        assert abs(np.corrcoef(uniform[:-lag], uniform[lag:])[0, 1]) < 0.005, lag
+    other = np.asarray(jax.random.bits(draw(jax.random.fold_in(jax.random.PRNGKey(7), 4)), (1 << 20,), jnp.uint32))
+    assert abs(np.corrcoef(uniform, other / 2.0**32)[0, 1]) < 0.005  # the next step's key: independent bits
+
+
+def test_counter_hash_dropout_keeps_the_rate_and_differs_per_call():
+    rngs = dropout_rngs(jax.random.PRNGKey(0), "counter_hash")
+    dropout = nnx.Dropout(0.1)
+    ones = jnp.ones((2048, 256))
+    first, second = (np.asarray(dropout(ones, deterministic=False, rngs=rngs)) for _ in range(2))
+    dropped, dropped_again = first == 0, second == 0
+    assert abs(dropped.mean() - 0.1) < 0.002  # std 0.0002 over 524k draws
+    np.testing.assert_allclose(first[~dropped], 1 / 0.9, rtol=1e-6)  # inverted dropout keeps the mean
+    assert abs((dropped & dropped_again).mean() - 0.01) < 0.001  # two calls draw independent masks
+    with pytest.raises(ValueError, match="train.dropout_rng='philox' is not one of"):
+        TrainConfig(dropout_rng="philox")

@@ -12,6 +12,7 @@ from typing import Any
 
 import flax.struct
 import jax
+import jax.extend.random
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -104,12 +105,55 @@ def forward(model: nnx.Module, batch: dict[str, jax.Array], *, deterministic: bo
                  deterministic=deterministic, rngs=rngs)
 
 
+# ----------------------------------------------------------------------------------------------------
+# Dropout randomness
+#
+# Why our own bits: jax's threefry2x32 (and rbg, whose RngBitGenerator XLA's CPU backend computes no faster)
+# costs ~12 ns per 32-bit word on this project's CPUs, ~10% of the 'small' train step for its 9M dropout
+# decisions (docs/benchmarks.md). A keyed integer hash of each element's position is ~15x cheaper and, being a
+# function of the global index alone, gives the same masks on every mesh, like threefry. It is registered as a
+# JAX PRNG implementation, so nnx.Dropout, fold_in and split work unchanged: key derivation (seed, split,
+# fold_in) stays threefry's; only the bulk bits come from the hash.
+
+
+def _mix32(h: jax.Array) -> jax.Array:
+    """lowbias32 (C. Wellons, hash-prospector): a bijection of uint32 with full avalanche (bias ~0.17)."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = h * jnp.uint32(0x846CA68B)
+    return h ^ (h >> 16)
+
+
+def _counter_hash_bits(key: jax.Array, bit_width: int, shape: tuple[int, ...]) -> jax.Array:
+    """Bits of `shape` for a [2] uint32 key: word i = mix(mix(i ^ key0) + key1), i the row-major element index
+    (two words per element for 64 bits). Distinct indices give distinct words under one key (a bijection)."""
+    words = int(np.prod(shape, dtype=np.int64)) * (2 if bit_width == 64 else 1)
+    if words > 2**32:
+        raise ValueError(f"counter_hash draws at most 2^32 words per call, asked for {words} ({shape})")
+    counter = jax.lax.iota(jnp.uint32, words)
+    bits = _mix32(_mix32(counter ^ key[0]) + key[1])
+    if bit_width == 64:
+        pairs = bits.reshape(-1, 2).astype(jnp.uint64)
+        return ((pairs[:, 0] << 32) | pairs[:, 1]).reshape(shape)
+    return bits.astype({8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}[bit_width]).reshape(shape)
+
+
+_THREEFRY = jax.extend.random.threefry_prng_impl
+COUNTER_HASH = jax.extend.random.define_prng_impl(
+    key_shape=(2,), seed=_THREEFRY.seed, split=_THREEFRY.split, fold_in=_THREEFRY.fold_in,
+    random_bits=_counter_hash_bits, name="counter_hash", tag="hash")
+DROPOUT_RNGS = ("counter_hash", "threefry2x32", "rbg", "unsafe_rbg")
+
+
 def dropout_rngs(key: jax.Array, rng_impl: str) -> nnx.Rngs:
-    """The step's dropout streams. threefry2x32 (default) gives the same masks on any mesh; rbg and
-    unsafe_rbg draw masks with XLA's RngBitGenerator, several times cheaper on CPU, but their bits may
+    """The step's dropout streams, from a raw threefry key. counter_hash (default; see above) and threefry2x32
+    give the same masks on any mesh; rbg and unsafe_rbg draw masks with XLA's RngBitGenerator, whose bits may
     change with the sharding, so a run is then reproducible only on the same mesh."""
     if rng_impl == "threefry2x32":
         return nnx.Rngs(dropout=key)
+    if rng_impl == "counter_hash":
+        return nnx.Rngs(dropout=jax.random.wrap_key_data(key, impl=COUNTER_HASH))
     bits = jax.random.bits(key, (4,), jnp.uint32)  # an rbg key is 4 words
     return nnx.Rngs(dropout=jax.random.wrap_key_data(bits, impl=rng_impl))
 
@@ -154,7 +198,7 @@ def gradients(params: PyTree, batch: dict[str, jax.Array], dropout_key: jax.Arra
 
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
                optimizer: optax.GradientTransformation, schedule: optax.Schedule, label_smoothing: float,
-               num_microbatches: int = 1, rng_impl: str = "threefry2x32") -> tuple[TrainState, dict[str, jax.Array]]:
+               num_microbatches: int = 1, rng_impl: str = "counter_hash") -> tuple[TrainState, dict[str, jax.Array]]:
     """One Adam update on the mean smoothed loss per target token. Dropout key: fold_in(state.rng, step)."""
     dropout_key = jax.random.fold_in(state.rng, state.step)
     grads, metrics = gradients(state.params, batch, dropout_key, graphdef=graphdef, label_smoothing=label_smoothing,

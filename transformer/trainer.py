@@ -24,11 +24,10 @@ from transformer.metrics import log
 from transformer.checkpoint import Checkpointer, abstract_like
 from transformer.model import ModelConfig, Transformer
 from transformer.optim import OptimizerConfig, make_optimizer
-from transformer.steps import TrainState, eval_step, summarize, train_step
+from transformer.steps import DROPOUT_RNGS, TrainState, eval_step, summarize, train_step
 from transformer.tokenizer import Tokenizer
 
 CONFIG_FILE = "config.json"
-DROPOUT_RNGS = ("threefry2x32", "rbg", "unsafe_rbg")
 BEST_CHECKPOINT_DIR = "best_checkpoint"
 REPORTS_FILE = "reports.json"  # the train.report_minutes scores, by mark, written at each mark
 
@@ -44,7 +43,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     async_checkpointing: bool = True
     num_microbatches: int = 1
-    dropout_rng: str = "threefry2x32"
+    dropout_rng: str = "counter_hash"
     keep_best_checkpoint: bool = False  # also keep the checkpoint of the best dev (valid) BLEU in workdir/best_checkpoint
     max_train_minutes: float = 0.0  # stop once this much training time is spent (0: no budget)
     report_minutes: str = ""  # e.g. "20": at these training minutes also average, decode and score, then go on
