@@ -1,6 +1,7 @@
 """model.attention: the reference implementation and jax.nn.dot_product_attention (xla) agree under padding,
-causal masks and packed segments; the whole model agrees too (cudnn needs a GPU: only its error is tested).
-model.remat changes memory, not results."""
+causal masks and packed segments; the whole model agrees too. cudnn (flash attention) needs a GPU: on a CPU only
+its error is tested; on a GPU (scripts/gpu_checks.sh) it is compared with the reference in bfloat16. model.remat
+changes memory, not results."""
 
 import dataclasses
 
@@ -61,6 +62,32 @@ def test_the_model_gives_the_same_logits_with_either_implementation():
         model = Transformer(dataclasses.replace(config, attention=implementation), rngs=nnx.Rngs(0))
         logits[implementation] = model(inputs, decoder_inputs)
     np.testing.assert_allclose(logits["xla"], logits["reference"], atol=1e-4)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cudnn flash attention needs a GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_cudnn_attention_equals_the_reference_on_a_gpu(causal):
+    keys = jax.random.split(jax.random.PRNGKey(2), 3)
+    query, key, value = (jax.random.normal(k, (3, 8, 2, 64)).astype(jnp.bfloat16) for k in keys)
+    segmentation = packed_segments()
+    mask = attention_mask(segmentation, segmentation, causal=causal)
+    kw = dict(deterministic=True, rngs=None)
+    reference, cudnn = (attention(name, query, key, value, mask, nnx.Dropout(0.0), **kw)
+                        for name in ("reference", "cudnn"))
+    real = np.asarray(segmentation != 0)
+    np.testing.assert_allclose(np.asarray(cudnn, np.float32)[real], np.asarray(reference, np.float32)[real], atol=3e-2)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cudnn flash attention needs a GPU")
+def test_the_model_in_bfloat16_gives_the_same_logits_with_cudnn_on_a_gpu():
+    config = ModelConfig(vocab_size=40, emb_dim=128, num_heads=2, num_encoder_layers=2, num_decoder_layers=2,
+                         mlp_dim=256, dtype="bfloat16")
+    inputs = jnp.array([[5, 6, 7, 1, 0, 0], [8, 9, 10, 11, 12, 1]])
+    decoder_inputs = jnp.array([[0, 13, 14, 15, 0, 0], [0, 16, 17, 18, 19, 20]])
+    logits = {name: Transformer(dataclasses.replace(config, attention=name), rngs=nnx.Rngs(0))(inputs, decoder_inputs)
+              for name in ("reference", "cudnn")}
+    real = np.asarray(decoder_inputs != 0) | (np.arange(6) == 0)  # position 0 holds the start symbol
+    np.testing.assert_allclose(np.asarray(logits["cudnn"])[real], np.asarray(logits["reference"])[real], atol=5e-2)
 
 
 def test_cudnn_on_cpu_and_attention_dropout_outside_the_reference_fail_clearly():

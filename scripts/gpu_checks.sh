@@ -1,0 +1,64 @@
+#!/bin/bash
+# The GPU checks of issues 5 and 4 as one prepared script, sized for one call of the device tool's H200
+# (about 8 minutes with compilation; each step has its own time limit so one hang cannot eat the rest):
+#   1. the attention implementations agree on the GPU (cudnn flash attention against the reference, bf16);
+#   2. training-step throughput and MFU of 'base' and 'big' in bfloat16 at ~25k target tokens per step
+#      (96 rows x 256 source x 256 target tokens, vocab 32000), attention cudnn and then xla;
+#   3. beam-4 decoding of 3,003 sentences (newstest2014's size) with a base-size model.
+# Results: $OUT/gpu_checks.jsonl (one JSON line per benchmark) and $OUT/gpu_checks.log.
+#
+# On the device machine (no network): carry wheels of what its image lacks, made here once with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 --platform any -d .whl ml-collections grain==0.2.18 array-record portpicker
+# and run `bash scripts/gpu_checks.sh` with `.whl` in carry. GPU_CHECKS_SMOKE=1 runs the same commands at toy
+# sizes with xla attention on any machine (the plumbing only: ~2 minutes on a 2-core CPU).
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu_checks}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_checks.log"
+JSONL="$OUT/gpu_checks.jsonl"
+if [ -d .whl ] && ! python3 -c "import grain, ml_collections" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1
+fi
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+
+if [ "${GPU_CHECKS_SMOKE:-0}" = 1 ]; then
+  ATTENTION=(xla)
+  TRAIN=(--batch=4 --source_length=16 --target_length=16 --vocab_size=500 --steps=2 --warmup=1 --peak_size=256
+         --config.model.emb_dim=64 --config.model.mlp_dim=128 --config.model.num_heads=2
+         --config.model.num_encoder_layers=1 --config.model.num_decoder_layers=1)
+  DECODE=(--batch=8 --source_length=8 --new_tokens=12 --repeats=1 --vocab_size=500 --config.model.emb_dim=64
+          --config.model.mlp_dim=128 --config.model.num_heads=2 --config.model.num_encoder_layers=1
+          --config.model.num_decoder_layers=1)
+  TESTS=(tests/attention_test.py -k "xla or cudnn")
+else
+  ATTENTION=(cudnn xla)
+  TRAIN=(--batch=96 --source_length=256 --target_length=256 --vocab_size=32000 --steps=15 --warmup=3)
+  DECODE=(--batch=3003 --source_length=32 --new_tokens=40 --repeats=2 --vocab_size=32000)
+  TESTS=(tests/attention_test.py)
+fi
+
+step() {  # step LIMIT_SECONDS TITLE COMMAND...: run, log, and go on whatever it returns
+  local limit=$1 title=$2
+  shift 2
+  echo "== $title ($(date -u +%H:%M:%S), limit ${limit}s)" | tee -a "$LOG"
+  timeout "$limit" "$@" 2>&1 | grep -v "^[IW][0-9]\{4\} " | tee -a "$LOG"
+  echo "== rc ${PIPESTATUS[0]}" | tee -a "$LOG"
+}
+
+step 30 "devices" python3 -c "import jax; print(jax.__version__, jax.devices())"
+step 120 "attention implementations agree" python3 -m pytest -q -p no:cacheprovider "${TESTS[@]}"
+for config in base big; do
+  for attention in "${ATTENTION[@]}"; do
+    step 150 "train $config bfloat16 attention=$attention" python3 scripts/benchmark.py --mode=train \
+      --config="configs/$config.py" --config.model.dtype=bfloat16 --config.model.attention="$attention" \
+      "${TRAIN[@]}" --output="$JSONL"
+  done
+  [ "${GPU_CHECKS_SMOKE:-0}" = 1 ] && break  # the plumbing of 'big' is the same
+done
+step 150 "decode base, beam 4" python3 scripts/benchmark.py --mode=decode --config=configs/base.py \
+  --compare_recompute=false "${DECODE[@]}" --output="$JSONL"
+echo "== done $(date -u +%H:%M:%S)" | tee -a "$LOG"
