@@ -1,10 +1,13 @@
 #!/bin/bash
 # The GPU checks of issues 5 and 4 as one prepared script, sized for one call of the device tool's H200
-# (about 8 minutes with compilation; each step has its own time limit so one hang cannot eat the rest):
-#   1. the attention implementations agree on the GPU (cudnn flash attention against the reference, bf16);
-#   2. training-step throughput and MFU of 'base' and 'big' in bfloat16 at ~25k target tokens per step
-#      (96 rows x 256 source x 256 target tokens, vocab 32000), attention cudnn and then xla;
-#   3. beam-4 decoding of 3,003 sentences (newstest2014's size) with a base-size model.
+# (about 8 minutes with compilation; every step has its own time limit, and all of them end by
+# GPU_CHECKS_SECONDS, 540 by default, inside the tool's 600 s per command):
+#   1. the imports, and the attention implementations agree on the GPU (cudnn flash attention against the
+#      reference in bf16; the float32 tests at full matmul precision, not TF32);
+#   2. training-step throughput and MFU of 'base' in bfloat16 at ~25k target tokens per step (96 rows x 256
+#      source x 256 target tokens, vocab 32000), attention cudnn and then xla;
+#   3. beam-4 decoding of 3,003 sentences (newstest2014's size) with a base-size model;
+#   4. the same training steps for 'big'.
 # Results: $OUT/gpu_checks.jsonl (one JSON line per benchmark) and $OUT/gpu_checks.log.
 #
 # On the device machine (no network): carry wheels of what its image lacks, made here once with
@@ -12,7 +15,7 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
 #     --platform manylinux2014_x86_64 --platform any -d .whl ml-collections grain==0.2.18 array-record portpicker
 # and run `bash scripts/gpu_checks.sh` with `.whl` in carry. GPU_CHECKS_SMOKE=1 runs the same commands at toy
-# sizes with xla attention on any machine (the plumbing only: ~2 minutes on a 2-core CPU).
+# sizes with xla attention on any machine (the plumbing only: about a minute on a 2-core CPU).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_checks}
@@ -41,24 +44,34 @@ else
   TESTS=(tests/attention_test.py)
 fi
 
-step() {  # step LIMIT_SECONDS TITLE COMMAND...: run, log, and go on whatever it returns
-  local limit=$1 title=$2
+END=$((SECONDS + ${GPU_CHECKS_SECONDS:-540}))
+step() {  # step LIMIT_SECONDS TITLE COMMAND...: run within the limit and the deadline, log, go on whatever happens
+  local limit=$1 title=$2 left=$((END - SECONDS))
   shift 2
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 15 ]; then
+    echo "== $title: skipped, ${left}s left before the deadline" | tee -a "$LOG"
+    return
+  fi
   echo "== $title ($(date -u +%H:%M:%S), limit ${limit}s)" | tee -a "$LOG"
-  timeout "$limit" "$@" 2>&1 | grep -v "^[IW][0-9]\{4\} " | tee -a "$LOG"
+  timeout -k 10 "$limit" "$@" 2>&1 | grep --line-buffered -v "^[IW][0-9]\{4\} " | tee -a "$LOG"
   echo "== rc ${PIPESTATUS[0]}" | tee -a "$LOG"
 }
-
-step 30 "devices" python3 -c "import jax; print(jax.__version__, jax.devices())"
-step 120 "attention implementations agree" python3 -m pytest -q -p no:cacheprovider "${TESTS[@]}"
-for config in base big; do
+train() {  # train CONFIG: the training-step benchmark in bfloat16 with each attention implementation
   for attention in "${ATTENTION[@]}"; do
-    step 150 "train $config bfloat16 attention=$attention" python3 scripts/benchmark.py --mode=train \
-      --config="configs/$config.py" --config.model.dtype=bfloat16 --config.model.attention="$attention" \
+    step 150 "train $1 bfloat16 attention=$attention" python3 scripts/benchmark.py --mode=train \
+      --config="configs/$1.py" --config.model.dtype=bfloat16 --config.model.attention="$attention" \
       "${TRAIN[@]}" --output="$JSONL"
   done
-  [ "${GPU_CHECKS_SMOKE:-0}" = 1 ] && break  # the plumbing of 'big' is the same
-done
+}
+
+step 60 "devices and imports" python3 -c "import jax, flax, optax, orbax.checkpoint, grain, ml_collections, \
+sentencepiece, sacrebleu, pytest; import transformer.trainer, transformer.decode; print(jax.__version__, \
+flax.__version__, optax.__version__, jax.devices())"
+JAX_DEFAULT_MATMUL_PRECISION=highest step 120 "attention implementations agree" \
+  python3 -m pytest -q -p no:cacheprovider "${TESTS[@]}"
+train base
 step 150 "decode base, beam 4" python3 scripts/benchmark.py --mode=decode --config=configs/base.py \
   --compare_recompute=false "${DECODE[@]}" --output="$JSONL"
+[ "${GPU_CHECKS_SMOKE:-0}" = 1 ] || train big  # the plumbing of 'big' is the same as base's
 echo "== done $(date -u +%H:%M:%S)" | tee -a "$LOG"

@@ -79,6 +79,16 @@ def test_a_workdir_from_before_a_config_key_existed_resumes_with_its_default():
         trainer.check_resume_config(saved, make_tiny_config(**{"optimizer.cooldown_fraction": 0.5}))
 
 
+def test_a_workdir_from_before_counter_hash_dropout_resumes_and_says_its_masks_change():
+    saved = make_tiny_config()
+    del saved.train["dropout_rng"]  # written before the key existed: its masks came from threefry
+    change = ["train.dropout_rng: 'threefry2x32' -> 'counter_hash'"]
+    assert trainer.check_resume_config(saved, make_tiny_config()) == change
+    saved.train.dropout_rng = "threefry2x32"  # written while threefry was the default
+    assert trainer.check_resume_config(saved, make_tiny_config()) == change
+    assert trainer.check_resume_config(saved, make_tiny_config(**{"train.dropout_rng": "threefry2x32"})) == []
+
+
 @pytest.mark.parametrize("fraction", [-0.1, 1.0])
 def test_a_bad_cooldown_fraction_names_the_key(tmp_path, fraction):
     config = make_tiny_config(**{"optimizer.cooldown_fraction": fraction})

@@ -127,16 +127,26 @@ def _mix32(h: jax.Array) -> jax.Array:
 
 def _counter_hash_bits(key: jax.Array, bit_width: int, shape: tuple[int, ...]) -> jax.Array:
     """Bits of `shape` for a [2] uint32 key: word i = mix(mix(i ^ key0) + key1), i the row-major element index
-    (two words per element for 64 bits). Distinct indices give distinct words under one key (a bijection)."""
-    words = int(np.prod(shape, dtype=np.int64)) * (2 if bit_width == 64 else 1)
+    (two words per element for 64 bits). Distinct indices give distinct words under one key (a bijection).
+
+    The key must come from threefry (seed, split, fold_in, as every key here does): lowbias32 has additive weak
+    spots (mix(x) and mix(x + 0x80008000) correlate at ~0.1), which hand-made keys could hit and threefry's
+    outputs hit with probability ~2^-32."""
+    full = (*shape, 2) if bit_width == 64 else tuple(shape)
+    words = int(np.prod(full, dtype=np.int64))
     if words > 2**32:
         raise ValueError(f"counter_hash draws at most 2^32 words per call, asked for {words} ({shape})")
-    counter = jax.lax.iota(jnp.uint32, words)
-    bits = _mix32(_mix32(counter ^ key[0]) + key[1])
+    # The row-major index as a sum of per-axis iotas times strides (as jax's threefry does), not one long iota
+    # reshaped: XLA then partitions it along every sharded axis, and each device builds only its own indices.
+    index, stride = jnp.zeros(full, jnp.uint32), 1
+    for axis in reversed(range(len(full))):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, full, axis) * jnp.uint32(stride)
+        stride *= full[axis]
+    bits = _mix32(_mix32(index ^ key[0]) + key[1])
     if bit_width == 64:
-        pairs = bits.reshape(-1, 2).astype(jnp.uint64)
-        return ((pairs[:, 0] << 32) | pairs[:, 1]).reshape(shape)
-    return bits.astype({8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}[bit_width]).reshape(shape)
+        bits = bits.astype(jnp.uint64)
+        return (bits[..., 0] << 32) | bits[..., 1]
+    return bits.astype({8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}[bit_width])
 
 
 _THREEFRY = jax.extend.random.threefry_prng_impl
@@ -152,6 +162,8 @@ def dropout_rngs(key: jax.Array, rng_impl: str) -> nnx.Rngs:
     change with the sharding, so a run is then reproducible only on the same mesh."""
     if rng_impl == "threefry2x32":
         return nnx.Rngs(dropout=key)
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):  # a typed key (jax_enable_custom_prng)
+        key = jax.random.key_data(key)
     if rng_impl == "counter_hash":
         return nnx.Rngs(dropout=jax.random.wrap_key_data(key, impl=COUNTER_HASH))
     bits = jax.random.bits(key, (4,), jnp.uint32)  # an rbg key is 4 words

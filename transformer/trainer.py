@@ -336,7 +336,8 @@ class Run:
         os.makedirs(workdir, exist_ok=True)
         checkpoint_dir = os.path.join(workdir, "checkpoints")
         if os.path.isdir(checkpoint_dir) and any(name.isdigit() for name in os.listdir(checkpoint_dir)):
-            check_resume_config(load_workdir_config(workdir), config)
+            for change in check_resume_config(load_workdir_config(workdir), config):
+                log.info("resuming with a changed setting: %s", change)
         self.corpus = load_corpus(settings, workdir, splits)
         self.model_config = settings.model_config(self.corpus.tokenizer.vocab_size)
         self.optimizer, self.schedule = make_optimizer(settings.optimizer, self.model_config.emb_dim)
@@ -622,7 +623,11 @@ class Run:
 RESUMABLE_CHANGES = ("train.num_train_steps", "train.log_every_steps", "train.eval_every_steps",
                      "train.bleu_every_steps", "train.checkpoint_every_steps", "train.keep_checkpoints",
                      "train.async_checkpointing", "decode.", "mesh.", "train.num_microbatches",
-                     "train.keep_best_checkpoint", "train.max_train_minutes", "train.report_minutes")
+                     "train.keep_best_checkpoint", "train.max_train_minutes", "train.report_minutes",
+                     "train.dropout_rng")  # the masks change from the resumed step on, as with num_microbatches
+# Keys a workdir's config.json may lack, with the value such a run actually used where it differs from today's
+# default (field_default): dropout masks came from threefry before train.dropout_rng existed.
+LEGACY_DEFAULTS = {"train.dropout_rng": "threefry2x32"}
 
 
 def agreed_seconds(seconds: float, timed: bool) -> float:
@@ -665,8 +670,9 @@ def field_default(key: str) -> Any:
     return None
 
 
-def check_resume_config(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict) -> None:
-    """A resumed run must be the same run: refuse changes to the model, data, optimizer or seed."""
+def check_resume_config(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict) -> list[str]:
+    """A resumed run must be the same run: refuse changes to the model, data, optimizer or seed. Returns the
+    changes it allows (RESUMABLE_CHANGES) as "key: old -> new", for the log."""
     def flat(tree, prefix=""):
         items = {}
         for key, value in tree.items():
@@ -678,14 +684,15 @@ def check_resume_config(saved: ml_collections.ConfigDict, config: ml_collections
 
     old, new = flat(saved), flat(config)
     for key in set(new) - set(old):  # a key added since the workdir was made: the run had its default
-        old[key] = field_default(key)
-    changed = sorted(key for key in set(old) | set(new)
-                     if old.get(key) != new.get(key) and not key.startswith(RESUMABLE_CHANGES))
+        old[key] = LEGACY_DEFAULTS.get(key, field_default(key))
+    differ = sorted(key for key in set(old) | set(new) if old.get(key) != new.get(key))
+    changed = [key for key in differ if not key.startswith(RESUMABLE_CHANGES)]
     if changed:
         details = ", ".join(f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in changed)
         raise ValueError(f"this workdir holds checkpoints of a run with another config ({details}). Resume with "
                          "the same settings (see config.json there; only the keys starting with "
                          f"{', '.join(RESUMABLE_CHANGES)} may change), or use a new --workdir.")
+    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in differ]
 
 
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
