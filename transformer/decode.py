@@ -76,10 +76,10 @@ def cache_blocks_for(cache_blocks: int, beam_size: int) -> int:
     return cache_blocks or (4 if beam_size > 1 else 1)
 
 
-def cache_block_length(max_decode_length: int, blocks: int) -> int:
-    """Positions per block of a self-attention cache of `blocks` (>= 1, from cache_blocks_for) blocks that holds
-    max_decode_length positions (the last block may hold a few unused ones)."""
-    return -(-max_decode_length // blocks)
+def cache_length(max_decode_length: int, blocks: int) -> int:
+    """Positions of a self-attention cache held in `blocks` (>= 1, from cache_blocks_for) equal blocks that holds
+    max_decode_length positions: rounded up to a multiple of blocks (the last block may hold a few unused ones)."""
+    return -(-max_decode_length // blocks) * blocks
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -100,9 +100,8 @@ def greedy_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, 
     model = nnx.merge(graphdef, params)
     batch, max_decode_length = inputs.shape[0], inputs.shape[1] + max_extra_length
     cache_blocks = cache_blocks_for(cache_blocks, 1)
-    block_length = cache_block_length(max_decode_length, cache_blocks)
     limits = output_limits(inputs, max_extra_length)
-    cache = model.init_cache(model.encode(inputs), block_length * cache_blocks, cache_blocks)
+    cache = model.init_cache(model.encode(inputs), cache_length(max_decode_length, cache_blocks), cache_blocks)
 
     def choose(logits, index):
         if temperature <= 0.0:
@@ -222,11 +221,11 @@ def beam_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, be
     batch, src_length = inputs.shape
     beams, max_decode_length = beam_size, src_length + max_extra_length
     cache_blocks = cache_blocks_for(cache_blocks, beams)
-    block_length = cache_block_length(max_decode_length, cache_blocks)
+    length = cache_length(max_decode_length, cache_blocks)
     limits = output_limits(inputs, max_extra_length)
     encoded = model.encode(inputs)
     # Self-attention rows: positions x beams (see _beam_step), in blocks; cross-attention at the batch size.
-    cache = model.init_cache(encoded, block_length * cache_blocks * beams, cache_blocks)
+    cache = model.init_cache(encoded, length * beams, cache_blocks)
     cross_mask = (inputs != PAD_ID)[:, None, None, :]
 
     def cross_from_scratch(cache, index):
@@ -276,7 +275,7 @@ def beam_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, be
     # Only beam 0 is live at the start, so the first step's K best come from K different tokens.
     live_scores = jnp.tile(jnp.array([0.0] + [NEG_INF] * (beams - 1), jnp.float32), (batch, 1))
     start = dict(index=jnp.int32(0), cache=cache, tokens=jnp.zeros((batch, beams), jnp.int32),
-                 ancestors=jnp.zeros((batch, beams, block_length * cache_blocks), jnp.int32),
+                 ancestors=jnp.zeros((batch, beams, length), jnp.int32),
                  live_scores=live_scores, live_sequences=jnp.zeros((batch, beams, max_decode_length), jnp.int32),
                  finished_scores=jnp.full((batch, beams), NEG_INF, jnp.float32),
                  finished_sequences=jnp.zeros((batch, beams, max_decode_length), jnp.int32),
