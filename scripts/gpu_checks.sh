@@ -69,7 +69,7 @@ step 60 "devices and imports" python3 -c "import jax, flax, optax, orbax.checkpo
 sentencepiece, sacrebleu, pytest; import transformer.trainer, transformer.decode; print(jax.__version__, \
 flax.__version__, optax.__version__, jax.devices())"
 JAX_DEFAULT_MATMUL_PRECISION=highest step 120 "attention implementations agree" \
-  python3 -m pytest -q -p no:cacheprovider "${TESTS[@]}"
+  python3 -m pytest -q -p no:cacheprovider -o addopts="-m 'not slow'" "${TESTS[@]}"  # no xdist there
 train base
 step 150 "decode base, beam 4" python3 scripts/benchmark.py --mode=decode --config=configs/base.py \
   --compare_recompute=false "${DECODE[@]}" --output="$JSONL"

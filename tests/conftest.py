@@ -2,7 +2,8 @@
 (train.py, eval.py, the sweep's runs, the 8-device test): most tests build the same tiny model, and compiling
 its init, train, eval and search steps again in each run was most of the suite's time. The cache is fresh for
 each session (a temporary directory, removed at the end), so every step is still compiled once per session;
-a directory already named by JAX_COMPILATION_CACHE_DIR is used as it is."""
+a directory already named by JAX_COMPILATION_CACHE_DIR is used as it is. pytest-xdist's workers inherit the
+variable from the controller, which loads this file first, so they share its cache."""
 
 import os
 import shutil

@@ -38,7 +38,7 @@ def test_mesh_sizes_resolve_minus_one_and_fail_clearly():
 def run_multidevice(marker):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     command = [sys.executable, "-m", "pytest", os.path.join(ROOT, "tests", "multidevice_test.py"), "-q", "-m", marker,
-               "-p", "no:cacheprovider"]
+               "-p", "no:cacheprovider", "-n", "0"]  # one process: its 8 devices are the parallelism
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=1200)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
