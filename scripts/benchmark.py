@@ -41,9 +41,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # glibc serves XLA's large per-step buffers with fresh mmaps: every step then takes a page fault per 4 KiB
 # (~130k for the 'small' step) and the kernel zeroes each page. Transparent huge pages (glibc >= 2.35) cut the
 # faults 40x and the CPU step time by ~20% here (docs/benchmarks.md). The loader reads the tunable at start,
-# hence the re-exec; --nohugepages measures without it.
+# hence the re-exec (of the script only: importing this module, as the tests do, never re-executes the importer);
+# --nohugepages measures without it.
 HUGEPAGES = "glibc.malloc.hugetlb=1"
-if "--nohugepages" not in sys.argv and HUGEPAGES not in os.environ.get("GLIBC_TUNABLES", ""):
+if (__name__ == "__main__" and "--nohugepages" not in sys.argv
+        and HUGEPAGES not in os.environ.get("GLIBC_TUNABLES", "")):
     tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES", ""), HUGEPAGES]))
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "GLIBC_TUNABLES": tunables})
 

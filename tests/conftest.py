@@ -1,23 +1,28 @@
-"""One JAX compilation cache for the whole test session, shared by the in-process runs and every subprocess
-(train.py, eval.py, the sweep's runs, the 8-device test): most tests build the same tiny model, and compiling
-its init, train, eval and search steps again in each run was most of the suite's time. The cache is fresh for
-each session (a temporary directory, removed at the end), so every step is still compiled once per session;
-a directory already named by JAX_COMPILATION_CACHE_DIR is used as it is. pytest-xdist's workers inherit the
-variable from the controller, which loads this file first, so they share its cache."""
+"""One temporary directory for the whole test session, shared by the in-process runs, pytest-xdist's workers and
+every subprocess (train.py, eval.py, the sweep's runs, the 8-device test), which all inherit the environment set
+here by the first pytest process (the controller loads this file before it starts the workers):
+- JAX's compilation cache: most tests build the same tiny model, and compiling its init, train, eval and search
+  steps again in each run was most of the suite's time. Every step is still compiled once per session. A
+  directory already named by JAX_COMPILATION_CACHE_DIR is used as it is.
+- XDG_CACHE_HOME, where transformer.throughput caches the CPU's measured matmul peak: measured while the other
+  worker runs, a peak would be too low, and it must not reach the cache of the user's own runs.
+The directory is removed at the end of the session."""
 
 import os
 import shutil
 import tempfile
 
-_CACHE_DIR = None
-if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-    _CACHE_DIR = tempfile.mkdtemp(prefix="jax_cache_")
+_SESSION_DIR = None
+if "TRANSFORMER_TESTS_DIR" not in os.environ:  # the first pytest process of the session (not a worker)
+    _SESSION_DIR = tempfile.mkdtemp(prefix="transformer_tests_")
+    os.environ["TRANSFORMER_TESTS_DIR"] = _SESSION_DIR
     # Set before JAX is imported: subprocesses inherit the environment, and this process reads it at import.
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_SESSION_DIR, "jax_cache"))
+    os.environ["XDG_CACHE_HOME"] = os.path.join(_SESSION_DIR, "cache")
 # The tiny steps compile in well under the default 1 s threshold, so without this little would be cached.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 def pytest_unconfigure(config):
-    if _CACHE_DIR is not None:
-        shutil.rmtree(_CACHE_DIR, ignore_errors=True)
+    if _SESSION_DIR is not None:
+        shutil.rmtree(_SESSION_DIR, ignore_errors=True)

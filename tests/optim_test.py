@@ -1,4 +1,6 @@
+import jax
 import numpy as np
+import optax
 import pytest
 
 from transformer import optim
@@ -23,20 +25,36 @@ def test_constant_decay_holds_the_warmup_peak():
     assert rsqrt(9999) < 0.11 * constant(9999)
 
 
+def adam_moments(state):
+    return next(s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+                if isinstance(s, optax.ScaleByAdamState))
+
+
 def test_adam_uses_the_papers_betas_and_epsilon():
-    optimizer, _ = make_optimizer(OptimizerConfig(), emb_dim=512)
+    optimizer, schedule = make_optimizer(OptimizerConfig(), emb_dim=512)
     state = optimizer.init({"w": np.zeros(3, np.float32)})
     _, state = optimizer.update({"w": np.ones(3, np.float32)}, state)
-    adam_state = state[0]
-    np.testing.assert_allclose(adam_state.mu["w"], 0.1)  # (1 - b1) * g with b1 = 0.9
-    np.testing.assert_allclose(adam_state.nu["w"], 0.02, rtol=1e-6)  # (1 - b2) * g^2 with b2 = 0.98
+    np.testing.assert_allclose(adam_moments(state).mu["w"], 0.1)  # (1 - b1) * g with b1 = 0.9
+    np.testing.assert_allclose(adam_moments(state).nu["w"], 0.02, rtol=1e-6)  # (1 - b2) * g^2 with b2 = 0.98
+    # The first update is -lr g / (|g| + eps): at |g| = 1e-8 it is 1e-8 / 1.1e-8 of lr with eps = 1e-9 (0.5 of it
+    # with optax's default 1e-8).
+    lr = float(schedule(0))
+    assert lr > 0
+    updates, _ = optimizer.update({"w": np.full(3, 1e-8, np.float32)}, optimizer.init({"w": np.zeros(3, np.float32)}))
+    np.testing.assert_allclose(updates["w"], -lr / 1.1, rtol=1e-4)
 
 
 def test_gradient_clipping_bounds_the_update():
     optimizer, _ = make_optimizer(OptimizerConfig(grad_clip_norm=1.0, warmup_steps=1), emb_dim=1)
-    grads = {"w": np.full(4, 100.0, np.float32)}
-    clipped_state = optimizer.init(grads)[0]
-    assert clipped_state == ()  # clip_by_global_norm holds no state; it comes first in the chain
+    zeros = {"w": np.zeros(4, np.float32)}
+    # Norm 200 is clipped to norm 1 (0.5 per entry) before Adam sees it; norm 0.2 passes as it is.
+    _, state = optimizer.update({"w": np.full(4, 100.0, np.float32)}, optimizer.init(zeros))
+    np.testing.assert_allclose(adam_moments(state).mu["w"], 0.1 * 0.5, rtol=1e-6)
+    _, state = optimizer.update({"w": np.full(4, 0.1, np.float32)}, optimizer.init(zeros))
+    np.testing.assert_allclose(adam_moments(state).mu["w"], 0.1 * 0.1, rtol=1e-6)
+    unclipped, _ = make_optimizer(OptimizerConfig(warmup_steps=1), emb_dim=1)
+    _, state = unclipped.update({"w": np.full(4, 100.0, np.float32)}, unclipped.init(zeros))
+    np.testing.assert_allclose(adam_moments(state).mu["w"], 0.1 * 100.0, rtol=1e-6)
 
 
 @pytest.mark.parametrize("bad", [dict(warmup_steps=0), dict(learning_rate_scale=-1.0), dict(decay="cosine")])

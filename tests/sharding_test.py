@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 from jax.sharding import PartitionSpec
 
@@ -51,3 +52,39 @@ def test_sharded_training_on_8_devices():
 @pytest.mark.slow
 def test_sharded_training_on_8_devices_more_meshes_and_bfloat16():
     run_multidevice("slow")
+
+
+CLUSTER_VARIABLES = ("SLURM_NTASKS", "SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES", "OMPI_COMM_WORLD_SIZE")
+
+
+@pytest.mark.parametrize("environment, detected", [
+    ({}, False),
+    ({"SLURM_NTASKS": "2", "SLURM_JOB_ID": "7"}, True),
+    ({"SLURM_NTASKS": "1", "SLURM_JOB_ID": "7"}, False),  # a one-task job is a single process
+    ({"SLURM_NTASKS": "2"}, False),  # not inside a job (srun sets SLURM_JOB_ID)
+    ({"TPU_WORKER_HOSTNAMES": "host-0,host-1"}, True),
+    ({"TPU_WORKER_HOSTNAMES": "host-0"}, False),  # a single-host TPU
+    ({"OMPI_COMM_WORLD_SIZE": "4"}, True),
+])
+def test_multi_host_runs_are_detected_from_the_clusters_environment(monkeypatch, environment, detected):
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *args: calls.append(args))
+    monkeypatch.setattr(jax.config, "update", lambda *args: None)  # this process's backend is already running
+    for name in CLUSTER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert sharding.initialize_distributed() is detected
+    assert calls == ([()] if detected else [])  # jax.distributed then reads the cluster itself
+
+
+def test_explicit_multi_host_flags_must_be_complete(monkeypatch):
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *args: calls.append(args))
+    monkeypatch.setattr(jax.config, "update", lambda *args: None)
+    assert sharding.initialize_distributed("10.0.0.1:1234", 2, 1)
+    assert calls == [("10.0.0.1:1234", 2, 1)]
+    for partial in [("10.0.0.1:1234", 2, -1), ("", 2, 0), ("10.0.0.1:1234", 2, 2)]:
+        with pytest.raises(ValueError, match="give all three"):
+            sharding.initialize_distributed(*partial)
+    assert len(calls) == 1

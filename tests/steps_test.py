@@ -85,13 +85,18 @@ def test_a_few_steps_on_a_fixed_batch_lower_the_loss(compiled):
     assert np.isfinite(float(metrics["grad_norm"])) and float(metrics["learning_rate"]) > 0
 
 
-def test_train_step_is_deterministic_given_state(compiled):
+def test_each_step_number_draws_its_own_dropout_masks(compiled):
+    """The dropout key is fold_in(state.rng, state.step): the same state gives the same update (a pure step);
+    the same parameters at the next step number see other masks, hence another loss before the update."""
     model_config, optimizer, train, _ = compiled
     state = create_train_state(model_config, optimizer, seed=3)
-    first, _ = train(state, BATCH)
-    second, _ = train(state, BATCH)
-    for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)):
+    first, metrics = train(state, BATCH)
+    again, metrics_again = train(state, BATCH)
+    assert float(metrics["loss"]) == float(metrics_again["loss"])
+    for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(again.params)):
         np.testing.assert_array_equal(a, b)
+    _, next_metrics = train(state.replace(step=state.step + 1), BATCH)
+    assert abs(float(next_metrics["loss"]) - float(metrics["loss"])) > 1e-4 * float(metrics["loss"])
 
 
 def test_train_and_eval_steps_make_no_implicit_host_transfers(compiled):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import time
 
 import jax
@@ -30,9 +31,11 @@ import numpy as np
 from transformer.model import ModelConfig
 
 # Dense bf16 peak FLOP/s per chip from the vendors' data sheets (no sparsity); float32 matmuls on GPUs run on
-# TF32 tensor cores at half these. Matched by substring of jax.Device.device_kind, first hit wins.
+# TF32 tensor cores at half these. Matched as a whole word of jax.Device.device_kind ("L4" is not "L40S", "TPU v5"
+# is not "TPU v5p", "H200" is not "GH200").
 PEAK_BF16_FLOPS = (
-    ("H200", 989e12), ("H100", 989e12), ("GH200", 989e12), ("A100", 312e12), ("A10G", 125e12), ("L4", 121e12),
+    ("H200", 989e12), ("H100", 989e12), ("GH200", 989e12), ("A100", 312e12), ("A10G", 125e12), ("L40S", 362e12),
+    ("L40", 181e12), ("L4", 121e12),
     ("V100", 125e12), ("TPU v6", 918e12), ("TPU v5p", 459e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12),
     ("TPU v5", 459e12), ("TPU v4", 275e12), ("TPU v3", 123e12), ("TPU v2", 45e12),
 )
@@ -94,8 +97,10 @@ def cpu_peak_flops(cache_file: str = CACHE_FILE) -> float:
     peak = measure_matmul_flops(2048, repeats=10, best=True)
     try:
         os.makedirs(os.path.dirname(cache_file), exist_ok=True)
-        with open(cache_file, "w", encoding="utf-8") as handle:
+        partial = f"{cache_file}.{os.getpid()}"  # then renamed: a process reading meanwhile sees a whole file
+        with open(partial, "w", encoding="utf-8") as handle:
             json.dump({"key": key, "peak_flops": peak}, handle)
+        os.replace(partial, cache_file)
     except OSError:
         pass  # a read-only home only costs the measurement next time
     return peak
@@ -108,6 +113,6 @@ def device_peak_flops(device: jax.Device | None = None, dtype: str = "bfloat16")
     if device.platform == "cpu":
         return cpu_peak_flops()
     for kind, flops in PEAK_BF16_FLOPS:
-        if kind.lower() in device.device_kind.lower():
+        if re.search(rf"(?<![a-z0-9]){re.escape(kind.lower())}(?![a-z0-9])", device.device_kind.lower()):
             return flops if dtype == "bfloat16" else flops / 2
     return None
