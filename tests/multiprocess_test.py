@@ -1,6 +1,7 @@
 """Two processes on localhost (jax.distributed over gloo, one CPU device each, mesh data=2) run 20 steps of
 train.py and end with the parameters of the same run in one process."""
 
+import json
 import os
 import socket
 import subprocess
@@ -46,6 +47,10 @@ def test_two_processes_end_with_the_parameters_of_one(tmp_path):
         assert process.returncode == 0, stderr[-3000:]
     assert "valid BLEU" in outputs[0][0] and "BLEU" not in outputs[1][0]  # one console: process 0's
     assert "mesh {'data': 2" in outputs[0][0]
+    def records(name):  # one writer: process 1 adds no line to the shared workdir's metrics.jsonl
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [(record["step"], record["split"]) for record in map(json.loads, lines)]
+    assert records("multi") == records("single")
     one, two = trainer.restore(str(tmp_path / "single")), trainer.restore(str(tmp_path / "multi"))
     assert one.step == two.step == 20
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(two.params)[0], jax.tree.leaves(one.params)):

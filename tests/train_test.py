@@ -4,6 +4,8 @@ before anything in the workdir is replaced."""
 import importlib.util
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -11,8 +13,9 @@ import jax
 import numpy as np
 import pytest
 from tiny import TINY_OVERRIDES, make_tiny_config, tree_digest
-from transformer import decode, trainer
+from transformer import decode, throughput, trainer
 from transformer.checkpoint import CheckpointMismatchError
+from transformer.model import ModelConfig
 from transformer.sources import DataError
 from transformer.tokenizer import VocabularyError
 
@@ -42,9 +45,34 @@ def test_train_writes_checkpoints_scores_logs_and_prints_bleu(trained_workdir):
     assert scores["step"] == 6 and 0.0 <= scores["bleu"]["test"]["bleu"] <= 100.0
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["split"] == "train"] == [2, 3, 4, 6]  # log and checkpoint steps
+    vocab_size = int(re.search(r"; vocab (\d+);", stdout).group(1))  # the tokenizer's, logged at the start
+    assert_throughput_is_the_windows_count_over_its_seconds([r for r in records if r["split"] == "train"], vocab_size)
     assert os.listdir(workdir / "tensorboard")
     assert json.loads((workdir / "config.json").read_text())["model"]["emb_dim"] == 32
     assert len((workdir / "translations_test_step6.txt").read_text().splitlines()) == 64
+
+
+def assert_throughput_is_the_windows_count_over_its_seconds(records, vocab_size):
+    """Each train record covers the steps since the one before: its tokens/s and model FLOP/s are that window's
+    real tokens and analytic FLOPs over its training seconds, and its MFU is the FLOP/s over one peak."""
+    model = ModelConfig(vocab_size=vocab_size, emb_dim=TINY_OVERRIDES["model.emb_dim"],
+                        num_heads=TINY_OVERRIDES["model.num_heads"], mlp_dim=TINY_OVERRIDES["model.mlp_dim"],
+                        num_encoder_layers=1, num_decoder_layers=1)
+    previous_step, previous_seconds, peaks = 0, 0.0, []
+    for record in records:
+        seconds = record["train_seconds"] - previous_seconds
+        flops = throughput.model_flops(model, **{key: record[key] for key in (
+            "source_tokens", "target_tokens", "encoder_pairs", "decoder_pairs", "cross_pairs")})
+        assert record["target_tokens"] > 0 and record["encoder_pairs"] > record["source_tokens"]
+        np.testing.assert_allclose(record["tokens_per_second"], record["target_tokens"] / seconds, rtol=1e-6)
+        np.testing.assert_allclose(record["all_tokens_per_second"],
+                                   (record["target_tokens"] + record["source_tokens"]) / seconds, rtol=1e-6)
+        np.testing.assert_allclose(record["steps_per_second"], (record["step"] - previous_step) / seconds, rtol=1e-6)
+        np.testing.assert_allclose(record["model_flops_per_second"], flops / seconds, rtol=1e-6)
+        peaks.append(record["model_flops_per_second"] / record["mfu"])
+        previous_step, previous_seconds = record["step"], record["train_seconds"]
+    np.testing.assert_allclose(peaks, peaks[0], rtol=1e-6)  # one peak for the run: the CPU's measured matmul rate
+    assert 1e9 < peaks[0] < 1e13
 
 
 def test_eval_restores_the_checkpoint_and_scores_a_split_and_a_file(trained_workdir, tmp_path):
@@ -177,17 +205,23 @@ def load_script(name):
     return module
 
 
-def test_eval_averages_checkpoints_with_beam_search_and_writes_all_scores(trained_workdir):
+def test_eval_averages_checkpoints_with_beam_search_and_writes_all_scores(trained_workdir, tmp_path):
     workdir, _ = trained_workdir
-    result = run_script("eval.py", f"--workdir={workdir}", "--split=valid", "--average_last=2", "--beam_size=2",
-                        "--alpha=0.6")
+    # No --average_last: eval.py averages as many as the run's decode.average_last says (5 in configs/base.py, the
+    # paper's method), here set to 2 in a copy of the workdir.
+    run = tmp_path / "run"
+    shutil.copytree(workdir, run)
+    config = json.loads((run / "config.json").read_text())
+    config["decode"]["average_last"] = 2
+    (run / "config.json").write_text(json.dumps(config))
+    result = run_script("eval.py", f"--workdir={run}", "--split=valid", "--beam_size=2", "--alpha=0.6")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "averaged the parameters of steps [3, 6]" in result.stdout and "paper BLEU" in result.stdout
-    scores = json.loads((workdir / "eval" / "scores.avg2_step6.json").read_text())[0]
+    scores = json.loads((run / "eval" / "scores.avg2_step6.json").read_text())[0]
     assert scores["averaged_steps"] == [3, 6] and scores["beam_size"] == 2 and scores["sentences"] == 64
     assert scores["chrf_signature"].startswith("nrefs:1") and "##AT##" in scores["paper_bleu_method"]
     assert scores["tokens_per_second"] > 0 and scores["sentences_per_second"] > 0
-    assert len((workdir / "eval" / "valid.avg2_step6.txt").read_text().splitlines()) == 64
+    assert len((run / "eval" / "valid.avg2_step6.txt").read_text().splitlines()) == 64
     expected = [(a + b) / 2 for a, b in zip(jax.tree.leaves(trainer.restore(str(workdir), 3).params),
                                             jax.tree.leaves(trainer.restore(str(workdir), 6).params))]
     averaged = trainer.restore(str(workdir), average_last=2)
