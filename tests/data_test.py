@@ -326,3 +326,21 @@ def test_a_workdir_vocabulary_of_another_size_is_refused(tokenizer, tmp_path):
     with pytest.raises(DataError, match="300 pieces but data.vocab_size=500"):
         data.load_or_train_tokenizer(config, [], str(tmp_path))
     assert Tokenizer(str(tmp_path / "vocab.model")).vocab_size == 300
+
+
+def test_a_given_vocabulary_is_used_as_it_is_and_a_foreign_one_is_refused(tokenizer, tmp_path):
+    """data.vocab_path: an existing model is loaded whatever data.vocab_size says, and nothing is trained in the
+    workdir; a model with sentencepiece's own ids (pad -1, eos 2) would break every mask, so it is refused."""
+    config = data.DataConfig(vocab_path=tokenizer.path, vocab_size=500)
+    loaded = data.load_or_train_tokenizer(config, [], str(tmp_path / "workdir"))
+    assert loaded.path == tokenizer.path and loaded.vocab_size == 300
+    assert not (tmp_path / "workdir" / "vocab.model").exists()
+    with pytest.raises(DataError, match="data.vocab_path=.*missing.model does not exist"):
+        data.load_or_train_tokenizer(data.DataConfig(vocab_path=str(tmp_path / "missing.model")), [], str(tmp_path))
+    import sentencepiece as spm
+    foreign = tmp_path / "foreign"
+    sentences = [text for pair in data.read_split(data.DataConfig(builtin_train_size=200), "train") for text in pair]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_prefix=str(foreign), vocab_size=100,
+                                   minloglevel=2)  # sentencepiece's defaults: unk 0, bos 1, eos 2, no pad
+    with pytest.raises(VocabularyError, match=r"pad_id=-1, eos_id=2; this project needs pad_id=0, eos_id=1"):
+        Tokenizer(str(foreign) + ".model")
