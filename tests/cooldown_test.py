@@ -1,6 +1,6 @@
 """optimizer.cooldown_fraction in the trainer: the learning rate decays linearly to 0 over the last part of a
 run of fixed length, or of a time budget (decided on the training clock, here a fake one, so that the test
-does not depend on the machine's speed)."""
+does not depend on the machine's speed); and that clock itself: evaluation and scoring are not training time."""
 
 import json
 import types
@@ -95,3 +95,30 @@ def test_a_bad_cooldown_fraction_names_the_key(tmp_path, fraction):
     with pytest.raises(ValueError, match="optimizer.cooldown_fraction"):
         trainer.Run(config, str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+
+
+def test_evaluation_and_report_scoring_are_not_training_time(tmp_path, monkeypatch):
+    """Budgets, report marks, tokens/s and time-to-BLEU curves all read train_seconds: the time spent evaluating
+    the dev loss or scoring a report mark (here 100 s of the fake clock each) must stay out of it."""
+    clock = FakeClock()
+    monkeypatch.setattr(trainer, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    report_loss = trainer.Run._report_loss
+
+    def slow_report_loss(self, *args):
+        clock.now += 100.0
+        return report_loss(self, *args)
+
+    def slow_scoring(self, *args):
+        clock.now += 100.0
+        return {"averaged_steps": [], "bleu": {}}
+    monkeypatch.setattr(trainer.Run, "_report_loss", slow_report_loss)
+    monkeypatch.setattr(trainer.Run, "_score_final_params", slow_scoring)
+    config = make_tiny_config(**{"train.log_every_steps": 1, "train.eval_every_steps": 2,
+                                 "train.report_minutes": "0.02", "decode.bleu_splits": "valid"})
+    result = trainer.Run(config, str(tmp_path)).train()
+    assert result["step"] == 6 and list(result["reports"]) == ["0.02"]
+    # Each of the 6 steps reads the clock a few times (0.5 s each); two evaluations and a report took 300 s.
+    assert 0 < result["train_seconds"] < 30, result["train_seconds"]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "valid"] == [2, 4, 6]
+    assert max(r["train_seconds"] for r in records if r["split"] == "train") < 30
