@@ -86,8 +86,10 @@ def test_caches_are_head_major_in_blocks_and_the_layout_round_trips():
     assert to_cache_layout(keys, values)[0][1, 2, 3, 5] == keys[1, 5, 2, 3]
 
 
-def test_dropout_is_active_only_when_not_deterministic():
-    model = Transformer(ModelConfig(**TINY, dropout_rate=0.3), rngs=nnx.Rngs(0))
+@pytest.mark.parametrize("rate", ["dropout_rate", "attention_dropout_rate", "relu_dropout_rate"])
+def test_dropout_is_active_only_when_not_deterministic(rate):
+    """Each of the three dropouts (residual, attention weights, after the ReLU), set alone, takes effect."""
+    model = Transformer(ModelConfig(**TINY, **{"dropout_rate": 0.0, rate: 0.3}), rngs=nnx.Rngs(0))
 
     @nnx.jit(static_argnames="deterministic")
     def run(model, key, deterministic):
@@ -98,6 +100,15 @@ def test_dropout_is_active_only_when_not_deterministic():
     train_a, train_b, train_c = run(model, key_1, False), run(model, key_1, False), run(model, key_2, False)
     np.testing.assert_allclose(train_a, train_b, atol=1e-6)  # same key, same masks
     assert np.abs(train_a - eval_logits).max() > 1e-2 and np.abs(train_a - train_c).max() > 1e-2
+
+
+def test_the_embedding_is_scaled_by_sqrt_d_model_and_the_positions_added():
+    model = Transformer(ModelConfig(**TINY), rngs=nnx.Rngs(0))
+    tokens, positions = jnp.array([[5, 6, 7, 1]]), jnp.array([[0, 1, 2, 3]])
+    embedded = model.source_embedder(tokens, positions, deterministic=True, rngs=None)
+    table = np.asarray(model.source_embedder.embedding.embedding[...])
+    expected = table[np.asarray(tokens)] * np.sqrt(TINY["emb_dim"]) + sinusoidal_positions(positions, TINY["emb_dim"])
+    np.testing.assert_allclose(embedded, expected, atol=1e-5)
 
 
 def test_sinusoids_match_the_paper_formula():
