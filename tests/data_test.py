@@ -1,4 +1,5 @@
 import gzip
+import logging
 import os
 
 import numpy as np
@@ -344,3 +345,33 @@ def test_a_given_vocabulary_is_used_as_it_is_and_a_foreign_one_is_refused(tokeni
                                    minloglevel=2)  # sentencepiece's defaults: unk 0, bos 1, eos 2, no pad
     with pytest.raises(VocabularyError, match=r"pad_id=-1, eos_id=2; this project needs pad_id=0, eos_id=1"):
         Tokenizer(str(foreign) + ".model")
+
+
+def test_inputs_longer_than_learned_positions_are_cut_to_fit_keeping_eos(tokenizer, caplog):
+    """decode.search_ids with max_input_length (a model with learned positions, which has no embedding past
+    them): a longer input keeps its first max_input_length - 1 ids and EOS, with a warning naming its line."""
+    from transformer import decode
+
+    seen = {}
+
+    def search(params, batch):  # stands in for a jitted search: records its input rows, returns EOS at once
+        for row in np.asarray(batch):
+            if row.any():  # not a filler row of the last batch
+                seen[tuple(row[row != 0])] = True
+        return np.full((len(batch), 2), EOS_ID, np.int32)
+    sentences = ["El gato.", " ".join(["el gato negro duerme en el jardín"] * 4)]
+    short, long = tokenizer.encode(sentences)
+    limit = len(short) + 2
+    assert len(long) > limit
+    logger = logging.getLogger("transformer")  # the project's console logger, which does not propagate
+    logger.addHandler(caplog.handler)
+    try:
+        outputs = decode.search_ids(search, None, tokenizer, sentences, batch_size=4, max_input_length=limit)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert set(seen) == {tuple(short), tuple(long[:limit - 1]) + (EOS_ID,)}
+    assert f"truncating 1 input(s) longer than the model's {limit} positions (first: line 2)" in caplog.text
+    assert [list(ids) for ids in outputs] == [[EOS_ID], [EOS_ID]]
+    seen.clear()
+    decode.search_ids(search, None, tokenizer, sentences, batch_size=4)  # sinusoids: no limit, nothing is cut
+    assert set(seen) == {tuple(short), tuple(long)}
