@@ -279,6 +279,10 @@ def test_the_best_checkpoint_is_chosen_by_dev_bleu(trained_workdir):
     assert len(os.listdir(workdir / "best_checkpoint")) == 1
     restored = trainer.restore(str(workdir), best=True)
     assert restored.best and restored.name == f"best_step{restored.step}" and valid[restored.step] == max(valid.values())
+    # eval.py --best picks one checkpoint: with a step or an average as well, it is a usage error.
+    for extra in ("--step=3", "--average_last=2"):
+        result = run_script("eval.py", f"--workdir={workdir}", "--best", extra)
+        assert result.returncode != 0 and "--best chooses one checkpoint" in result.stderr, result.stderr[-2000:]
 
 
 def test_the_plot_script_writes_pngs_of_attention_rows_that_sum_to_one(trained_workdir, tmp_path):
