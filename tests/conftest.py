@@ -4,8 +4,8 @@ here by the first pytest process (the controller loads this file before it start
 - JAX's compilation cache: most tests build the same tiny model, and compiling its init, train, eval and search
   steps again in each run was most of the suite's time. Every step is still compiled once per session. A
   directory already named by JAX_COMPILATION_CACHE_DIR is used as it is.
-- XDG_CACHE_HOME, where transformer.throughput caches the CPU's measured matmul peak: measured while the other
-  worker runs, a peak would be too low, and it must not reach the cache of the user's own runs.
+- TRANSFORMER_CACHE_DIR, where transformer.throughput caches the CPU's measured matmul peak: measured while the
+  other worker runs, a peak would be too low, and it must not reach the cache of the user's own runs.
 The directory is removed at the end of the session."""
 
 import os
@@ -17,8 +17,9 @@ if "TRANSFORMER_TESTS_DIR" not in os.environ:  # the first pytest process of the
     _SESSION_DIR = tempfile.mkdtemp(prefix="transformer_tests_")
     os.environ["TRANSFORMER_TESTS_DIR"] = _SESSION_DIR
     # Set before JAX is imported: subprocesses inherit the environment, and this process reads it at import.
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_SESSION_DIR, "jax_cache"))
-    os.environ["XDG_CACHE_HOME"] = os.path.join(_SESSION_DIR, "cache")
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_SESSION_DIR, "jax_cache")
+    os.environ["TRANSFORMER_CACHE_DIR"] = os.path.join(_SESSION_DIR, "cache")
 # The tiny steps compile in well under the default 1 s threshold, so without this little would be cached.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 

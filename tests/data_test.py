@@ -351,7 +351,10 @@ def test_inputs_longer_than_learned_positions_are_cut_to_fit_keeping_eos(tokeniz
     """decode.search_ids with max_input_length (a model with learned positions, which has no embedding past
     them): a longer input keeps its first max_input_length - 1 ids and EOS, with a warning naming its line."""
     from transformer import decode
+    from transformer.model import ModelConfig
 
+    assert ModelConfig(vocab_size=8, positional_encoding="learned", max_length=6).position_limit == 6
+    assert ModelConfig(vocab_size=8).position_limit is None  # sinusoids: callers pass no limit
     seen = {}
 
     def search(params, batch):  # stands in for a jitted search: records its input rows, returns EOS at once

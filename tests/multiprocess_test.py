@@ -47,6 +47,7 @@ def test_two_processes_end_with_the_parameters_of_one(tmp_path):
         assert process.returncode == 0, stderr[-3000:]
     assert "valid BLEU" in outputs[0][0] and "BLEU" not in outputs[1][0]  # one console: process 0's
     assert "mesh {'data': 2" in outputs[0][0]
+
     def records(name):  # one writer: process 1 adds no line to the shared workdir's metrics.jsonl
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         return [(record["step"], record["split"]) for record in map(json.loads, lines)]

@@ -96,6 +96,9 @@ def test_accelerator_peaks_come_from_the_table_by_device_kind():
     assert throughput.device_peak_flops(device("gpu", "NVIDIA L40S")) == 362e12  # not the L4's
     assert throughput.device_peak_flops(device("gpu", "NVIDIA GH200 480GB")) == 989e12
     assert throughput.device_peak_flops(device("tpu", "TPU v5p")) == 459e12  # not "TPU v5" (v5e's kind is "lite")
+    assert throughput.device_peak_flops(device("tpu", "TPU v6 lite")) == 918e12
+    assert throughput.device_peak_flops(device("gpu", "Tesla V100S-PCIE-32GB")) == 130e12
+    assert throughput.device_peak_flops(device("gpu", "Tesla V100-SXM2-16GB")) == 125e12
     assert throughput.device_peak_flops(device("gpu", "a GPU nobody listed")) is None
 
 
@@ -121,4 +124,4 @@ def test_the_cpu_peak_is_measured_once_then_read_from_its_cache(tmp_path, monkey
 
 def test_the_tests_keep_their_cpu_peak_out_of_the_users_cache():
     # tests/conftest.py: a peak measured while the other test worker runs would be too low for the user's runs.
-    assert throughput.CACHE_FILE.startswith(os.environ["TRANSFORMER_TESTS_DIR"])
+    assert throughput.CACHE_FILE.startswith(os.environ["TRANSFORMER_TESTS_DIR"] + os.sep)

@@ -15,7 +15,6 @@ import pytest
 from tiny import TINY_OVERRIDES, make_tiny_config, tree_digest
 from transformer import decode, throughput, trainer
 from transformer.checkpoint import CheckpointMismatchError
-from transformer.model import ModelConfig
 from transformer.sources import DataError
 from transformer.tokenizer import VocabularyError
 
@@ -55,9 +54,7 @@ def test_train_writes_checkpoints_scores_logs_and_prints_bleu(trained_workdir):
 def assert_throughput_is_the_windows_count_over_its_seconds(records, vocab_size):
     """Each train record covers the steps since the one before: its tokens/s and model FLOP/s are that window's
     real tokens and analytic FLOPs over its training seconds, and its MFU is the FLOP/s over one peak."""
-    model = ModelConfig(vocab_size=vocab_size, emb_dim=TINY_OVERRIDES["model.emb_dim"],
-                        num_heads=TINY_OVERRIDES["model.num_heads"], mlp_dim=TINY_OVERRIDES["model.mlp_dim"],
-                        num_encoder_layers=1, num_decoder_layers=1)
+    model = trainer.Settings.from_config(make_tiny_config()).model_config(vocab_size)
     previous_step, previous_seconds, peaks = 0, 0.0, []
     for record in records:
         seconds = record["train_seconds"] - previous_seconds

@@ -36,11 +36,12 @@ from transformer.model import ModelConfig
 PEAK_BF16_FLOPS = (
     ("H200", 989e12), ("H100", 989e12), ("GH200", 989e12), ("A100", 312e12), ("A10G", 125e12), ("L40S", 362e12),
     ("L40", 181e12), ("L4", 121e12),
-    ("V100", 125e12), ("TPU v6", 918e12), ("TPU v5p", 459e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12),
-    ("TPU v5", 459e12), ("TPU v4", 275e12), ("TPU v3", 123e12), ("TPU v2", 45e12),
-)
-CACHE_FILE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "transformer",
-                          "cpu_peak_flops.json")
+    ("V100S", 130e12), ("V100", 125e12), ("TPU v6", 918e12), ("TPU v5p", 459e12), ("TPU v5 lite", 197e12),
+    ("TPU v5e", 197e12), ("TPU v5", 459e12), ("TPU v4", 275e12), ("TPU v3", 123e12), ("TPU v2", 45e12),
+)  # JAX names v5p "TPU v5", v5e "TPU v5 lite" and v6e "TPU v6 lite"; the v5p/v5e rows catch other spellings.
+# TRANSFORMER_CACHE_DIR (the tests set it to their session's directory) or the XDG cache of the user.
+CACHE_FILE = os.path.join(os.environ.get("TRANSFORMER_CACHE_DIR") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "transformer"), "cpu_peak_flops.json")
 
 
 def model_flops(config: ModelConfig, *, source_tokens: float, target_tokens: float, encoder_pairs: float,
@@ -95,14 +96,15 @@ def cpu_peak_flops(cache_file: str = CACHE_FILE) -> float:
     except (OSError, ValueError, KeyError):
         pass
     peak = measure_matmul_flops(2048, repeats=10, best=True)
+    partial = f"{cache_file}.{os.getpid()}"  # then renamed: a process reading meanwhile sees a whole file
     try:
         os.makedirs(os.path.dirname(cache_file), exist_ok=True)
-        partial = f"{cache_file}.{os.getpid()}"  # then renamed: a process reading meanwhile sees a whole file
         with open(partial, "w", encoding="utf-8") as handle:
             json.dump({"key": key, "peak_flops": peak}, handle)
         os.replace(partial, cache_file)
-    except OSError:
-        pass  # a read-only home only costs the measurement next time
+    except OSError:  # a read-only home only costs the measurement next time
+        if os.path.exists(partial):
+            os.remove(partial)
     return peak
 
 
