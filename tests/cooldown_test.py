@@ -2,17 +2,16 @@
 run of fixed length, or of a time budget (decided on the training clock, here a fake one, so that the test
 does not depend on the machine's speed); and that clock itself: evaluation and scoring are not training time."""
 
-import json
 import types
 
 import numpy as np
 import pytest
-from tiny import make_tiny_config
+from tiny import make_tiny_config, metric_records
 from transformer import optim, trainer
 
 
 def learning_rates(workdir) -> dict[int, float]:
-    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = metric_records(workdir)
     return {r["step"]: r["learning_rate"] for r in records if r["split"] == "train"}
 
 
@@ -119,6 +118,6 @@ def test_evaluation_and_report_scoring_are_not_training_time(tmp_path, monkeypat
     assert result["step"] == 6 and list(result["reports"]) == ["0.02"]
     # Each of the 6 steps reads the clock a few times (0.5 s each); two evaluations and a report took 300 s.
     assert 0 < result["train_seconds"] < 30, result["train_seconds"]
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = metric_records(tmp_path)
     assert [r["step"] for r in records if r["split"] == "valid"] == [2, 4, 6]
     assert max(r["train_seconds"] for r in records if r["split"] == "train") < 30

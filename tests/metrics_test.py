@@ -1,7 +1,6 @@
-import json
-
 import pytest
 import sacrebleu
+from tiny import metric_records
 
 from transformer.metrics import MetricWriter, all_scores, bleu, paper_bleu, paper_tokenize
 
@@ -36,7 +35,7 @@ def test_metric_writer_appends_json_lines(tmp_path):
     writer.write(10, {"loss": 1.5, "note": "text is kept in JSON only"}, "train")
     writer.write(20, {"loss": 1.0}, "train")
     writer.close()
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = metric_records(tmp_path)
     assert [(r["step"], r["loss"]) for r in records] == [(10, 1.5), (20, 1.0)]
     assert (tmp_path / "tensorboard").is_dir()
 
@@ -49,7 +48,7 @@ def test_a_resumed_writer_drops_records_after_the_checkpoint(tmp_path):
     writer = MetricWriter(str(tmp_path), resume_step=20)  # the run stopped after 30, resumes from step 20
     writer.write(30, {"loss": 3.0}, "train")
     writer.close()
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = metric_records(tmp_path)
     assert [(r["step"], r["loss"]) for r in records] == [(10, 10.0), (20, 20.0), (30, 3.0)]
 
 

@@ -144,15 +144,10 @@ def test_bfloat16_compute_keeps_float32_parameters_and_trains():
 def test_compile_only_reports_the_memory_per_device_of_a_mesh_before_anything_is_allocated():
     """scripts/benchmark.py --compile_only: with fsdp=8 each device holds an eighth of the parameters and the
     optimizer state, which the reported arguments show; a batch the mesh cannot split fails before compiling."""
-    import importlib.util
-    import os
-
     from configs import default
+    from tiny import load_script
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "benchmark.py")
-    spec = importlib.util.spec_from_file_location("benchmark", path)
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
+    benchmark = load_script("benchmark")
     config = default.get_config()
     config.model.emb_dim, config.model.num_heads, config.model.mlp_dim = 32, 4, 64
     config.model.num_encoder_layers = config.model.num_decoder_layers = 1

@@ -1,7 +1,6 @@
 """Two processes on localhost (jax.distributed over gloo, one CPU device each, mesh data=2) run 20 steps of
 train.py and end with the parameters of the same run in one process."""
 
-import json
 import os
 import socket
 import subprocess
@@ -10,7 +9,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from tiny import TINY_OVERRIDES
+from tiny import TINY_OVERRIDES, metric_records
 
 from transformer import trainer
 
@@ -49,8 +48,7 @@ def test_two_processes_end_with_the_parameters_of_one(tmp_path):
     assert "mesh {'data': 2" in outputs[0][0]
 
     def records(name):  # one writer: process 1 adds no line to the shared workdir's metrics.jsonl
-        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-        return [(record["step"], record["split"]) for record in map(json.loads, lines)]
+        return [(record["step"], record["split"]) for record in metric_records(tmp_path / name)]
     assert records("multi") == records("single")
     one, two = trainer.restore(str(tmp_path / "single")), trainer.restore(str(tmp_path / "multi"))
     assert one.step == two.step == 20

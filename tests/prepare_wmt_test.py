@@ -1,11 +1,11 @@
 """scripts/prepare_wmt.py: argument handling and the dry run (no network here, so nothing is downloaded)."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
+from tiny import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "prepare_wmt.py")
@@ -13,10 +13,7 @@ SCRIPT = os.path.join(ROOT, "scripts", "prepare_wmt.py")
 
 @pytest.fixture(scope="module")
 def prepare_wmt():
-    spec = importlib.util.spec_from_file_location("prepare_wmt", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("prepare_wmt")
 
 
 @pytest.mark.parametrize("data_dir, datasets, message", [

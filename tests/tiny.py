@@ -1,7 +1,10 @@
 """Shared by the tests: a tiny config (a small model on a slice of the built-in corpus, fast on 2 CPU
-cores) and a digest of a directory's files (to show that a failed start left a workdir untouched)."""
+cores), a digest of a directory's files (to show that a failed start left a workdir untouched), a run's
+metrics.jsonl records, and a script of scripts/ loaded as a module."""
 
 import hashlib
+import importlib.util
+import json
 import os
 
 from configs import default
@@ -38,3 +41,18 @@ def tree_digest(directory) -> str:
             with open(path, "rb") as handle:
                 digest.update(handle.read())
     return digest.hexdigest()
+
+
+def metric_records(workdir) -> list[dict]:
+    """The records of workdir/metrics.jsonl, in order."""
+    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle]
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module (its `if __name__ == "__main__"` part does not run)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

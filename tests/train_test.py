@@ -1,7 +1,6 @@
 """End to end: train.py then eval.py as a user runs them; resume equals an uninterrupted run; bad input fails
 before anything in the workdir is replaced."""
 
-import importlib.util
 import json
 import os
 import re
@@ -12,7 +11,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from tiny import TINY_OVERRIDES, make_tiny_config, tree_digest
+from tiny import TINY_OVERRIDES, load_script, make_tiny_config, metric_records, tree_digest
 from transformer import decode, throughput, trainer
 from transformer.checkpoint import CheckpointMismatchError
 from transformer.sources import DataError
@@ -42,7 +41,7 @@ def test_train_writes_checkpoints_scores_logs_and_prints_bleu(trained_workdir):
     assert sorted(os.listdir(workdir / "checkpoints")) == ["3", "6"]
     scores = json.loads((workdir / "scores.json").read_text())
     assert scores["step"] == 6 and 0.0 <= scores["bleu"]["test"]["bleu"] <= 100.0
-    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = metric_records(workdir)
     assert [r["step"] for r in records if r["split"] == "train"] == [2, 3, 4, 6]  # log and checkpoint steps
     vocab_size = int(re.search(r"; vocab (\d+);", stdout).group(1))  # the tokenizer's, logged at the start
     assert_throughput_is_the_windows_count_over_its_seconds([r for r in records if r["split"] == "train"], vocab_size)
@@ -133,7 +132,7 @@ def test_a_stopped_and_resumed_run_sees_the_same_batches_and_ends_with_the_same_
     assert stopped_batches[:3] == straight_batches[:3]
     assert (tmp_path / "resumed" / "checkpoints" / "3" / "data" / "process_0-of-1.json").exists()
     assert resumed_batches[:3] == straight_batches[3:6]
-    records = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    records = metric_records(tmp_path / "resumed")
     assert [r["step"] for r in records if r["split"] == "train"] == [2, 3, 4, 6]  # each step once
     straight, resumed = final_params(tmp_path / "straight"), final_params(tmp_path / "resumed")
     for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):
@@ -193,13 +192,6 @@ def test_misaligned_and_empty_text_files_are_named(tmp_path):
     (corpus / "valid.en").write_text("")
     with pytest.raises(DataError, match="empty"):
         trainer.Run(config, str(tmp_path / "w"))
-
-
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_eval_averages_checkpoints_with_beam_search_and_writes_all_scores(trained_workdir, tmp_path):
@@ -270,7 +262,7 @@ def test_translate_cli_round_trip(trained_workdir, tmp_path):
 
 def test_the_best_checkpoint_is_chosen_by_dev_bleu(trained_workdir):
     workdir, _ = trained_workdir
-    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = metric_records(workdir)
     valid = {r["step"]: r["bleu"] for r in records if r["split"] == "valid_bleu"}
     assert sorted(valid) == [3, 6]  # test BLEU is logged too, but never chooses
     assert len(os.listdir(workdir / "best_checkpoint")) == 1
@@ -311,7 +303,7 @@ def test_a_time_budget_stops_the_run_then_the_last_checkpoints_are_averaged_and_
     assert second["step"] == 2 and second["averaged_steps"] == [1, 2]
     assert first["train_seconds"] >= 60e-4
     # The resumed run counts on from the first run's seconds: its total is those plus its one step's window.
-    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = metric_records(workdir)
     (resumed,) = [r for r in records if r["split"] == "train" and r["step"] == 2]
     window = resumed["target_tokens"] / resumed["tokens_per_second"]
     np.testing.assert_allclose(second["train_seconds"], first["train_seconds"] + window, rtol=1e-6)
@@ -339,7 +331,7 @@ def test_a_report_mark_scores_the_averaged_checkpoints_then_training_goes_on(tmp
     assert mark["step"] == 1 and mark["averaged_steps"] == [] and 0 < mark["train_seconds"] < result["train_seconds"]
     assert result["step"] == 4 and result["averaged_steps"] == [3, 4]
     assert (workdir / "translations_valid_step1.txt").exists() and (workdir / "translations_valid_avg_step4.txt").exists()
-    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = metric_records(workdir)
     assert [r["step"] for r in records if r["split"] == "valid_bleu"] == [1]
     assert [r["step"] for r in records if r["split"] == "avg_valid_bleu"] == [4]
     reports = json.loads(json.dumps(result["reports"]))
@@ -349,5 +341,5 @@ def test_a_report_mark_scores_the_averaged_checkpoints_then_training_goes_on(tmp
     config.train.num_train_steps = 6
     resumed = trainer.Run(config, str(workdir)).train()
     assert resumed["step"] == 6 and json.loads(json.dumps(resumed["reports"])) == reports
-    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = metric_records(workdir)
     assert [r["step"] for r in records if r["split"] == "valid_bleu"] == [1]

@@ -686,13 +686,13 @@ def check_resume_config(saved: ml_collections.ConfigDict, config: ml_collections
     for key in set(new) - set(old):  # a key added since the workdir was made: the run had its default
         old[key] = LEGACY_DEFAULTS.get(key, field_default(key))
     differ = sorted(key for key in set(old) | set(new) if old.get(key) != new.get(key))
-    changed = [key for key in differ if not key.startswith(RESUMABLE_CHANGES)]
-    if changed:
-        details = ", ".join(f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in changed)
-        raise ValueError(f"this workdir holds checkpoints of a run with another config ({details}). Resume with "
-                         "the same settings (see config.json there; only the keys starting with "
+    change = {key: f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in differ}
+    refused = [change[key] for key in differ if not key.startswith(RESUMABLE_CHANGES)]
+    if refused:
+        raise ValueError(f"this workdir holds checkpoints of a run with another config ({', '.join(refused)}). "
+                         "Resume with the same settings (see config.json there; only the keys starting with "
                          f"{', '.join(RESUMABLE_CHANGES)} may change), or use a new --workdir.")
-    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in differ]
+    return list(change.values())
 
 
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
