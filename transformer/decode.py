@@ -27,6 +27,7 @@ hypotheses are all at least as good as the best any live one could still reach
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +46,52 @@ PyTree = Any
 Search = Callable[[PyTree, jax.Array], jax.Array]
 # A large finite "minus infinity": sums and divisions of it stay finite, so no NaN can enter the top-k.
 NEG_INF = -1.0e7
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Built from `config.decode`; see configs/default.py for each field's meaning."""
+
+    batch_size: int = 256
+    max_extra_length: int = 50
+    bleu_splits: str = "valid,test"
+    beam_size: int = 4
+    alpha: float = 0.6
+    early_stopping: bool = True
+    temperature: float = 0.0
+    top_k: int = 0
+    average_last: int = 0
+    cache_blocks: int = 0
+
+    def __post_init__(self):
+        if self.batch_size <= 0:
+            raise ValueError(f"decode.batch_size={self.batch_size} must be positive")
+        if self.max_extra_length < 0:
+            raise ValueError(f"decode.max_extra_length={self.max_extra_length} must be >= 0")
+        if self.beam_size < 1:
+            raise ValueError(f"decode.beam_size={self.beam_size} must be >= 1")
+        if self.alpha < 0:  # early stopping's bound on what a live beam can reach needs alpha >= 0
+            raise ValueError(f"decode.alpha={self.alpha} must be >= 0")
+        if self.cache_blocks < 0:
+            raise ValueError(f"decode.cache_blocks={self.cache_blocks} must be >= 0 (0: 4 for beam search, "
+                             "1 otherwise)")
+        if self.temperature < 0 or self.top_k < 0 or self.average_last < 0:
+            raise ValueError(f"decode.temperature={self.temperature}, decode.top_k={self.top_k} and "
+                             f"decode.average_last={self.average_last} must be >= 0")
+
+    def search_fn(self, graphdef: nnx.GraphDef, seed: int) -> Search:
+        return make_search(graphdef, max_extra_length=self.max_extra_length, beam_size=self.beam_size,
+                                  alpha=self.alpha, early_stopping=self.early_stopping,
+                                  temperature=self.temperature, top_k=self.top_k, seed=seed,
+                                  cache_blocks=self.cache_blocks)
+
+    @property
+    def splits(self) -> list[str]:
+        splits = [s.strip() for s in self.bleu_splits.split(",") if s.strip()]
+        for split in splits:
+            if split not in data.SPLITS:
+                raise ValueError(f"decode.bleu_splits names {split!r}; expected some of {data.SPLITS}")
+        return splits
 
 
 def length_penalty(length: jax.Array, alpha: float) -> jax.Array:

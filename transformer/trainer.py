@@ -79,55 +79,9 @@ class TrainConfig:
         return marks
 
 
-@dataclasses.dataclass(frozen=True)
-class DecodeConfig:
-    """Built from `config.decode`; see configs/default.py for each field's meaning."""
-
-    batch_size: int = 256
-    max_extra_length: int = 50
-    bleu_splits: str = "valid,test"
-    beam_size: int = 4
-    alpha: float = 0.6
-    early_stopping: bool = True
-    temperature: float = 0.0
-    top_k: int = 0
-    average_last: int = 0
-    cache_blocks: int = 0
-
-    def __post_init__(self):
-        if self.batch_size <= 0:
-            raise ValueError(f"decode.batch_size={self.batch_size} must be positive")
-        if self.max_extra_length < 0:
-            raise ValueError(f"decode.max_extra_length={self.max_extra_length} must be >= 0")
-        if self.beam_size < 1:
-            raise ValueError(f"decode.beam_size={self.beam_size} must be >= 1")
-        if self.alpha < 0:  # early stopping's bound on what a live beam can reach needs alpha >= 0
-            raise ValueError(f"decode.alpha={self.alpha} must be >= 0")
-        if self.cache_blocks < 0:
-            raise ValueError(f"decode.cache_blocks={self.cache_blocks} must be >= 0 (0: 4 for beam search, "
-                             "1 otherwise)")
-        if self.temperature < 0 or self.top_k < 0 or self.average_last < 0:
-            raise ValueError(f"decode.temperature={self.temperature}, decode.top_k={self.top_k} and "
-                             f"decode.average_last={self.average_last} must be >= 0")
-
-    def search_fn(self, graphdef: nnx.GraphDef, seed: int) -> decode.Search:
-        return decode.make_search(graphdef, max_extra_length=self.max_extra_length, beam_size=self.beam_size,
-                                  alpha=self.alpha, early_stopping=self.early_stopping,
-                                  temperature=self.temperature, top_k=self.top_k, seed=seed,
-                                  cache_blocks=self.cache_blocks)
-
-    @property
-    def splits(self) -> list[str]:
-        splits = [s.strip() for s in self.bleu_splits.split(",") if s.strip()]
-        for split in splits:
-            if split not in data.SPLITS:
-                raise ValueError(f"decode.bleu_splits names {split!r}; expected some of {data.SPLITS}")
-        return splits
-
-
 # The config's sections and the dataclass each is read into (Settings.from_config; field_default).
 SECTIONS = {"data": data.DataConfig, "model": ModelConfig, "optimizer": OptimizerConfig, "train": TrainConfig,
-            "decode": DecodeConfig, "mesh": sharding.MeshConfig}
+            "decode": decode.DecodeConfig, "mesh": sharding.MeshConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +93,7 @@ class Settings:
     model: dict[str, Any]
     optimizer: OptimizerConfig
     train: TrainConfig
-    decode: DecodeConfig
+    decode: decode.DecodeConfig
     mesh: sharding.MeshConfig = sharding.MeshConfig()
 
     @classmethod
@@ -161,7 +115,7 @@ class Settings:
             raise ValueError(f"unknown top-level config key(s) {unknown}")
         settings = cls(seed=int(config.seed), data=build(data.DataConfig, "data"), model=model,
                        optimizer=build(OptimizerConfig, "optimizer"), train=build(TrainConfig, "train"),
-                       decode=build(DecodeConfig, "decode"), mesh=build(sharding.MeshConfig, "mesh"))
+                       decode=build(decode.DecodeConfig, "decode"), mesh=build(sharding.MeshConfig, "mesh"))
         settings.decode.splits  # validates the split names now, before training
         if settings.data.rows_per_batch % settings.train.num_microbatches:
             raise ValueError(f"train.num_microbatches={settings.train.num_microbatches} must divide the "
