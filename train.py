@@ -9,7 +9,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from transformer import sharding, trainer
+from transformer import config_files, sharding, trainer
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.py")
 config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Config file (any field overridable).", lock_config=True)
@@ -35,4 +35,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    config_files.resolve_sys_argv()  # before absl parses --config: found here or in the installed configs
     app.run(main)

@@ -14,6 +14,5 @@ def get_config():
     config.model.emb_dim, config.model.mlp_dim, config.model.num_heads = 1024, 4096, 16
     config.model.dropout_rate = 0.3
     config.train.num_train_steps = 300_000
-    config.train.keep_checkpoints = 20  # the paper averages the last 20 checkpoints of big
-    config.decode.average_last = 20
+    config.decode.average_last = 20  # the paper averages the last 20 checkpoints of big (params snapshots)
     return config

@@ -77,12 +77,14 @@ def get_config() -> ml_collections.ConfigDict:
     train.eval_every_steps = 250  # eval loss / accuracy / perplexity on the valid split
     train.bleu_every_steps = 0  # decode and score BLEU during training every N steps (0: only at the end)
     train.checkpoint_every_steps = 250  # save a checkpoint every N steps (and always at the end)
-    train.keep_checkpoints = 3  # keep the last K checkpoints
+    train.keep_checkpoints = 3  # keep the last K train states (decode.average_last keeps params snapshots of its own)
+    train.checkpoint_every_minutes = 0.0  # also save at the first log step this many training minutes after a save
     train.async_checkpointing = True  # save in the background while training goes on
     train.keep_best_checkpoint = False  # also keep the best-dev-BLEU checkpoint in workdir/best_checkpoint (valid only)
     train.max_train_minutes = 0.0  # a CPU/GPU-time budget: stop after this many minutes of training (0: none)
     train.report_minutes = ""  # e.g. "20": at these training minutes also score the averaged last checkpoints
     train.num_microbatches = 1  # gradient accumulation: split each batch into N sequential slices, one update
+    train.compilation_cache_dir = ""  # JAX's persistent compilation cache ("": workdir/compilation_cache; "none": off)
     train.dropout_rng = "counter_hash"  # counter_hash (cheapest) or threefry2x32: same masks on any mesh; rbg | unsafe_rbg
 
     # Devices: a mesh of (data, fsdp, tensor); one size may be -1 (the remaining devices). Logical axis names

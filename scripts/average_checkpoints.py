@@ -4,8 +4,8 @@ transformer.translate read like any other (the paper averaged the last 5 checkpo
     python scripts/average_checkpoints.py --workdir=runs/base --average_last=5 --output_workdir=runs/base_avg5
     python eval.py --workdir=runs/base_avg5
 
-The new workdir gets config.json, vocab.model and checkpoints/<last step>: the optimizer state and step of the
-last averaged checkpoint with the mean of the parameters. An existing, non-empty --output_workdir is refused.
+The new workdir gets config.json, vocab.model and checkpoints/<last step>: the mean of the parameters only (what
+evaluation reads; it cannot resume training). An existing, non-empty --output_workdir is refused.
 """
 
 import os
@@ -15,7 +15,6 @@ from absl import app, flags, logging
 
 from transformer import trainer
 from transformer.checkpoint import Checkpointer
-from transformer.optim import make_optimizer
 from transformer.tokenizer import Tokenizer
 
 
@@ -39,20 +38,12 @@ def write_averaged_workdir(workdir: str, output_workdir: str, average_last: int,
     restored = trainer.restore(workdir, step, average_last=average_last)  # every check and message lives here
     steps = restored.averaged_steps or [restored.step]
     settings = restored.settings
-    optimizer, _ = make_optimizer(settings.optimizer, restored.model_config.emb_dim)
-    abstract = trainer.abstract_train_state(restored.model_config, optimizer, settings.seed)
-    source = Checkpointer(os.path.join(workdir, "checkpoints"), save_every_steps=1, keep=1, use_async=False,
-                          read_only=True)
-    try:
-        state = source.restore(abstract, steps[-1]).replace(params=restored.params)
-    finally:
-        source.close()
     os.makedirs(output_workdir, exist_ok=True)
     shutil.copy(os.path.join(workdir, trainer.CONFIG_FILE), os.path.join(output_workdir, trainer.CONFIG_FILE))
     if not settings.data.vocab_path:
         shutil.copy(Tokenizer(os.path.join(workdir, "vocab.model")).path, os.path.join(output_workdir, "vocab.model"))
     target = Checkpointer(os.path.join(output_workdir, "checkpoints"), save_every_steps=1, keep=1, use_async=False)
-    target.save(steps[-1], state, force=True)
+    target.save(steps[-1], {"params": restored.params}, force=True)  # what evaluation reads
     target.wait()
     target.close()
     return steps

@@ -147,17 +147,24 @@ def describe(config, sizes: dict, mesh) -> dict:
 
 
 def run_compile_only(config, sizes: dict) -> dict:
-    """Lower and compile the train step for the config and mesh, with no array allocated; memory per device."""
+    """Lower and compile the train step exactly as train.py would for the config and mesh (its batch, microbatches
+    and vocabulary), with no array allocated; the memory per device XLA plans for it."""
     from transformer import trainer
-    from transformer.checkpoint import abstract_like
 
-    settings, model_config, optimizer, mesh, state_shardings, batch_sharding, train = build(config, sizes)
-    abstract_state = trainer.abstract_train_state(model_config, optimizer, settings.seed, state_shardings)
-    batch = abstract_like(synthetic_batch(sizes["batch"], sizes["source_length"], sizes["target_length"], 10))
+    settings = trainer.Settings.from_config(config)
+    plan, note = trainer.startup_plan(settings)
+    if note:
+        print(note, flush=True)
+    train, _ = trainer.make_steps(plan.graphdef, plan.optimizer, plan.schedule, settings.train, plan.state_shardings,
+                                  plan.batch_sharding)
     start = time.perf_counter()
-    compiled = train.lower(abstract_state, batch).compile()
-    result = describe(config, sizes, mesh)
-    result.update(mode="compile_only", compile_seconds=time.perf_counter() - start, memory=memory_of(compiled))
+    compiled = train.lower(plan.abstract_state(settings.seed), plan.abstract_batch()).compile()
+    sizes = dict(sizes, batch=plan.batch.rows, source_length=plan.batch.row_length,
+                 target_length=plan.batch.row_length, vocab_size=plan.model_config.vocab_size)
+    result = describe(config, sizes, plan.mesh)
+    result.update(mode="compile_only", compile_seconds=time.perf_counter() - start, memory=memory_of(compiled),
+                  tokens_per_step=plan.batch.tokens, microbatches=settings.train.num_microbatches,
+                  batch_note=note or "")
     limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
     if limit:
         result["memory"]["device_limit_bytes"] = int(limit)
@@ -345,6 +352,8 @@ def print_table(result: dict) -> None:
     rows = [("mode", result["mode"]), ("device", f"{result['devices']} x {result['device_kind']}"),
             ("mesh", result["mesh"]), ("batch", f"{result['batch']} x {result['source_length']} x "
                                                  f"{result['target_length']}, vocab {result['vocab_size']}"),
+            *([("tokens per step", f"{result['tokens_per_step']:,} per side in {result['microbatches']} "
+                                   "microbatch(es)")] if "tokens_per_step" in result else []),
             ("compile", f"{result['compile_seconds']:.1f} s")]
     if result["mode"] == "train":
         rows += [("median step", f"{result['median_step_seconds'] * 1000:.1f} ms "
@@ -357,8 +366,10 @@ def print_table(result: dict) -> None:
             rows += [("peak GFLOP/s", f"{result['peak_flops'] / 1e9:,.1f} ({result['peak_from']})"),
                      ("MFU", f"{result['mfu']:.3f}")]
         rows.append(("max RSS", f"{result['max_rss_bytes'] / 2**20:,.0f} MiB"))
+    # Fake CPU devices get the CPU compiler's plan: a check that the shapes split, not an accelerator's footprint.
+    where = " (CPU compiler)" if result["mode"] == "compile_only" and result["device_kind"] == "cpu" else ""
     for name, value in result.get("memory", {}).items():
-        rows.append((name, f"{value / 2**20:,.1f} MiB"))
+        rows.append((name + where, f"{value / 2**20:,.1f} MiB"))
     if "fits" in result:
         rows.append(("fits in device memory", result["fits"]))
     width = max(len(name) for name, _ in rows)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from tiny import tree_digest
-from transformer.checkpoint import CheckpointMismatchError, Checkpointer, abstract_like
+from transformer.checkpoint import CheckpointMismatchError, Checkpointer, abstract_like, average_params
 from transformer.model import ModelConfig
 from transformer.optim import OptimizerConfig, make_optimizer
 from transformer.trainer import create_train_state
@@ -53,25 +53,33 @@ def test_a_checkpoint_of_another_shape_fails_clearly_and_is_untouched(tmp_path):
     assert tree_digest(tmp_path) == before
 
 
-def test_averaging_gives_the_mean_of_the_saved_params_and_the_last_state(tmp_path):
+def test_averaging_gives_the_mean_of_the_saved_params_from_states_and_snapshots_alike(tmp_path):
     base = state_for(16)
     rng = np.random.default_rng(0)
     saved = {}
-    checkpointer = Checkpointer(str(tmp_path), save_every_steps=1, keep=5)
+    states = Checkpointer(str(tmp_path / "checkpoints"), save_every_steps=1, keep=5)
+    snapshots = Checkpointer(str(tmp_path / "params"), save_every_steps=1, keep=5)
     for step in (1, 2, 3):
         params = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), base.params)
         saved[step] = params
-        checkpointer.save(step, base.replace(step=np.int32(step), params=params))
-    checkpointer.wait()
-    averaged = checkpointer.average(abstract_like(base), [2, 3])
-    assert int(averaged.step) == 3
+        states.save(step, base.replace(step=np.int32(step), params=params))
+        snapshots.save(step, {"params": params})
+    states.wait(), snapshots.wait()
     expected = jax.tree.map(lambda a, b: (a + b) / 2, saved[2], saved[3])
-    for a, b in zip(jax.tree.leaves(averaged.params), jax.tree.leaves(expected)):
-        assert a.dtype == np.float32
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    with pytest.raises(FileNotFoundError, match=r"no checkpoint for step\(s\) \[7\]"):
-        checkpointer.average(abstract_like(base), [3, 7])
-    checkpointer.close()
+    for averaged in (states.average_params(abstract_like(base.params), [2, 3]),
+                     average_params([(states, 2), (snapshots, 3)], abstract_like(base.params))):
+        assert jax.tree.structure(averaged) == jax.tree.structure(base.params)
+        for a, b in zip(jax.tree.leaves(averaged), jax.tree.leaves(expected)):
+            assert a.dtype == np.float32
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    # One step is its own parameters, bit for bit, from either kind of checkpoint.
+    for source in (states, snapshots):
+        for a, b in zip(jax.tree.leaves(source.restore_params(abstract_like(base.params), 1)),
+                        jax.tree.leaves(saved[1])):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint for step 7"):
+        states.average_params(abstract_like(base.params), [3, 7])
+    states.close(), snapshots.close()
 
 
 def test_averaging_checkpoints_of_different_shapes_names_the_step_and_array(tmp_path):
@@ -80,7 +88,7 @@ def test_averaging_checkpoints_of_different_shapes_names_the_step_and_array(tmp_
     checkpointer.save(2, state_for(32))
     checkpointer.wait()
     with pytest.raises(CheckpointMismatchError, match=r"cannot average step 2: .*params/.*has shape .*32"):
-        checkpointer.average(abstract_like(state_for(16)), [1, 2])
+        checkpointer.average_params(abstract_like(state_for(16).params), [1, 2])
     checkpointer.close()
 
 

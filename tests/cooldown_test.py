@@ -2,6 +2,7 @@
 run of fixed length, or of a time budget (decided on the training clock, here a fake one, so that the test
 does not depend on the machine's speed); and that clock itself: evaluation and scoring are not training time."""
 
+import os
 import types
 
 import numpy as np
@@ -46,18 +47,18 @@ class FakeClock:
 
 def test_a_time_budget_cools_down_from_its_last_fraction_to_a_projected_last_step(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer, "time", types.SimpleNamespace(perf_counter=FakeClock().perf_counter))
-    config = make_tiny_config(**{"optimizer.cooldown_fraction": 0.5, "train.max_train_minutes": 0.5,
+    config = make_tiny_config(**{"optimizer.cooldown_fraction": 0.5, "train.max_train_minutes": 1.0,
                                  "train.num_train_steps": 1000, "train.log_every_steps": 1,
                                  "train.eval_every_steps": 0, "train.checkpoint_every_steps": 1000,
                                  "decode.bleu_splits": ""})
     result = trainer.Run(config, str(tmp_path)).train()
-    # The clock runs at a steady pace: the cooldown begins once 15 s are spent, half-way, set to end where the
-    # remaining 15 s are projected to run out; the run stops there or at the budget, whichever comes first.
+    # The clock runs at a steady pace: the cooldown begins once 30 s are spent, half-way, set to end where the
+    # remaining 30 s are projected to run out; the run stops there or at the budget, whichever comes first.
     resumed = trainer.Run(config, str(tmp_path))  # the window is read back from the checkpoint's optimizer state
     start, end = optim.cooldown_steps(resumed.state.opt_state)
     total = result["step"]
     assert total >= 20 and abs(start - total / 2) <= 3 and abs(end - total) <= 2, (start, end, total)
-    assert result["train_seconds"] <= 30  # the budget is checked at the step it is projected to run out
+    assert result["train_seconds"] <= 60  # the budget is checked at the step it is projected to run out
     assert total == end or (total < end and result["train_seconds"] > 30 - 2)  # within a step or two of it
     rates, schedule = learning_rates(tmp_path), schedule_of(config)
     factor = lambda step: min((end - step + 1) / (end - start + 1), 1.0)  # noqa: E731
@@ -121,3 +122,25 @@ def test_evaluation_and_report_scoring_are_not_training_time(tmp_path, monkeypat
     records = metric_records(tmp_path)
     assert [r["step"] for r in records if r["split"] == "valid"] == [2, 4, 6]
     assert max(r["train_seconds"] for r in records if r["split"] == "train") < 30
+
+
+def test_checkpoints_by_time_save_at_the_first_log_step_past_each_interval(tmp_path, monkeypatch):
+    """train.checkpoint_every_minutes on the training clock (fake: each reading 0.5 s after the last): with
+    steps every 12 and logs every 2, the saves in between come from the clock alone, and averaging sees them."""
+    monkeypatch.setattr(trainer, "time", types.SimpleNamespace(perf_counter=FakeClock().perf_counter))
+    config = make_tiny_config(**{"train.num_train_steps": 12, "train.log_every_steps": 2,
+                                 "train.eval_every_steps": 0, "train.checkpoint_every_steps": 12,
+                                 "train.keep_checkpoints": 10, "train.checkpoint_every_minutes": 0.1,
+                                 "decode.average_last": 3, "decode.bleu_splits": ""})
+    run = trainer.Run(config, str(tmp_path))
+    run.train()
+    saved = run.checkpointer.all_steps()
+    records = {r["step"]: r["train_seconds"] for r in metric_records(tmp_path) if r["split"] == "train"}
+    # Expected from the logged clock: a save at each log step 6 s (0.1 minutes) or more after the last save.
+    expected, last = [], 0.0
+    for step in sorted(records):
+        if step < 12 and records[step] - last >= 6:
+            expected.append(step)
+            last = records[step]
+    assert expected and saved == expected + [12], (saved, records)
+    assert sorted(int(name) for name in os.listdir(tmp_path / "params")) == saved[-3:]  # the snapshots averaging reads

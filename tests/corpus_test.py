@@ -1,5 +1,6 @@
 """Tests of the built-in synthetic English -> Spanish corpus (transformer/corpus.py)."""
 
+import hashlib
 import os
 import re
 import subprocess
@@ -275,3 +276,20 @@ def test_bad_arguments_raise_value_error_naming_the_value(kwargs, named):
 def test_generate_pairs_rejects_negative_count():
     with pytest.raises(ValueError, match="-3"):
         corpus.generate_pairs(-3, seed=0)
+
+
+def test_the_generator_version_names_the_generated_pairs():
+    """Token caches of the built-in corpus are found by GENERATOR_VERSION, seed and size, without generating
+    the split: a change to the generated pairs must come with a new version, or a restart would pair the
+    cache of the old grammar with valid and test splits of the new one."""
+    pairs = corpus.builtin_split("train", train_size=2000) + corpus.builtin_split("valid", valid_size=200)
+    digest = hashlib.sha256(repr(pairs).encode()).hexdigest()[:16]
+    assert (corpus.GENERATOR_VERSION, digest) == (1, "12508a9279bdf144"), (
+        "the generated pairs changed: bump corpus.GENERATOR_VERSION and record the new digest here")
+
+
+def test_a_streamed_split_checks_its_arguments_before_the_first_pair():
+    with pytest.raises(ValueError, match="train_size=10000001"):
+        corpus.iter_builtin_split("train", train_size=10_000_001)  # no next(): raised when asked
+    stream = corpus.iter_builtin_split("test", test_size=300)
+    assert next(stream) == corpus.builtin_split("test", test_size=1)[0]

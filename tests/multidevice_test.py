@@ -142,8 +142,9 @@ def test_bfloat16_compute_keeps_float32_parameters_and_trains():
 
 
 def test_compile_only_reports_the_memory_per_device_of_a_mesh_before_anything_is_allocated():
-    """scripts/benchmark.py --compile_only: with fsdp=8 each device holds an eighth of the parameters and the
-    optimizer state, which the reported arguments show; a batch the mesh cannot split fails before compiling."""
+    """scripts/benchmark.py --compile_only compiles train.py's own batch and vocabulary for the config: with fsdp=8
+    each device holds an eighth of the parameters and the optimizer state, which the reported arguments show; a
+    batch the mesh cannot split is compiled as train.py would change it, and the change is said."""
     from configs import default
     from tiny import load_script
 
@@ -152,12 +153,14 @@ def test_compile_only_reports_the_memory_per_device_of_a_mesh_before_anything_is
     config.model.emb_dim, config.model.num_heads, config.model.mlp_dim = 32, 4, 64
     config.model.num_encoder_layers = config.model.num_decoder_layers = 1
     config.mesh.data, config.mesh.fsdp = 1, 8
-    sizes = dict(batch=8, source_length=12, target_length=12, vocab_size=64)
+    config.data.vocab_size, config.data.max_length, config.data.tokens_per_batch = 64, 12, 96
+    sizes = dict(batch=99, source_length=99, target_length=99, vocab_size=99)  # the --batch flags: not used here
 
     result = benchmark.run_compile_only(config, sizes)
     memory = result["memory"]
     assert result["mode"] == "compile_only" and result["devices"] == 8
     assert result["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert (result["batch"], result["source_length"], result["vocab_size"], result["tokens_per_step"]) == (8, 12, 64, 96)
     assert memory["total_per_device_bytes"] == (memory["argument_size_in_bytes"] + memory["output_size_in_bytes"]
                                                 - memory["alias_size_in_bytes"] + memory["temp_size_in_bytes"])
     assert memory["alias_size_in_bytes"] > 0  # the state is donated
@@ -169,5 +172,6 @@ def test_compile_only_reports_the_memory_per_device_of_a_mesh_before_anything_is
     # An eighth of the state (and of the batch) per device, plus the replicated scalars: well under a quarter.
     assert memory["argument_size_in_bytes"] < 0.25 * state_bytes
     config.mesh.data, config.mesh.fsdp = 8, 1
-    with pytest.raises(ValueError, match="--batch"):
-        benchmark.run_compile_only(config, dict(sizes, batch=12))
+    config.data.tokens_per_batch = 144  # 12 rows: the nearest multiple of 8 above and below tie; the larger wins
+    result = benchmark.run_compile_only(config, sizes)
+    assert result["batch"] == 16 and "training on 16 rows = 192 tokens" in result["batch_note"]

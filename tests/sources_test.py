@@ -168,6 +168,30 @@ def test_text_all_pairs_empty_on_one_side(tmp_path):
         read_text_pair(source, target)
 
 
+
+@pytest.mark.parametrize("suffix", ["", ".gz"])
+def test_text_stream_yields_the_pairs_before_a_late_error(tmp_path, suffix):
+    # A multi-million-line split is streamed: its pairs come before the whole
+    # file is read, and a bad line far down still names its file and line.
+    source = _write(tmp_path / f"src{suffix}", b"one\ntwo\n\xff three\n")
+    target = _write(tmp_path / f"tgt{suffix}", "eins\nzwei\ndrei\n")
+    pairs = sources.iter_text_pair(source, target)
+    assert [next(pairs), next(pairs)] == [("one", "eins"), ("two", "zwei")]
+    with pytest.raises(DataError, match=rf"src{suffix}:3: invalid UTF-8"):
+        next(pairs)
+
+
+def test_file_fingerprint_follows_edits_without_reading(tmp_path):
+    path = _write(tmp_path / "train.en", "a\nb\n")
+    first = sources.file_fingerprint(path)
+    assert first == sources.file_fingerprint(path)
+    assert first["size"] == 4 and first["path"] == os.path.realpath(path)
+    _write(tmp_path / "train.en", "a\nc\n")  # same size, later modification time
+    os.utime(path, ns=(first["mtime_ns"] + 10**9, first["mtime_ns"] + 10**9))
+    assert sources.file_fingerprint(path) != first
+    with pytest.raises(DataError, match="file not found: .*missing.en"):
+        sources.file_fingerprint(str(tmp_path / "missing.en"))
+
 # --------------------------------------------------------------------------
 # TFDS.
 # --------------------------------------------------------------------------
@@ -334,3 +358,18 @@ def test_tfds_real_data_invalid_utf8(tiny_data_dir):
     with pytest.raises(DataError, match=r"split 'test': example \d, language 'de': invalid UTF-8"):
         read_tfds("sources_test_translate", "test", source_lang="de", target_lang="en",
                   data_dir=tiny_data_dir)
+
+
+def test_tfds_fingerprint_names_the_prepared_version_and_split(tiny_data_dir):
+    whole = sources.tfds_fingerprint("sources_test_translate", "train", data_dir=tiny_data_dir)
+    assert whole["name"] == "sources_test_translate/1.0.0" and whole["examples"] == 4  # the empty one counts
+    assert whole["data_dir"].startswith(tiny_data_dir) and whole["dataset_info"]["size"] > 0
+    part = sources.tfds_fingerprint("sources_test_translate", "train[:2]", data_dir=tiny_data_dir)
+    assert part["examples"] == 2 and part != whole
+    with pytest.raises(DataError, match="'bogus'"):
+        sources.tfds_fingerprint("sources_test_translate", "bogus", data_dir=tiny_data_dir)
+
+
+def test_tfds_fingerprint_of_an_unprepared_dataset_fails_like_reading_it(tfds, tmp_path):
+    with pytest.raises(DataError, match="not prepared"):
+        sources.tfds_fingerprint(WMT14, "train", data_dir=str(tmp_path))

@@ -343,3 +343,29 @@ def test_a_report_mark_scores_the_averaged_checkpoints_then_training_goes_on(tmp
     assert resumed["step"] == 6 and json.loads(json.dumps(resumed["reports"])) == reports
     records = metric_records(workdir)
     assert [r["step"] for r in records if r["split"] == "valid_bleu"] == [1]
+
+
+def test_run_json_records_the_batch_and_each_starts_provenance(trained_workdir):
+    workdir, _ = trained_workdir
+    record = json.loads((workdir / "run.json").read_text())
+    assert record["batch"] == {"rows": 8, "row_length": 48}  # 384 tokens of 48
+    start = record["starts"][0]
+    assert (start["devices"], start["processes"], start["tokens_per_step"]) == (1, 1, 384)
+    assert start["packages"]["jax"] == jax.__version__ and start["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert start["commit"] is None or re.fullmatch(r"[0-9a-f]{40}", start["commit"])
+    fractions = [r["input_wait_fraction"] for r in metric_records(workdir) if r["split"] == "train"]
+    assert fractions and all(0.0 <= f < 1.0 for f in fractions)
+
+
+def test_the_compilation_cache_defaults_to_the_workdir_unless_the_environment_chose_one(tmp_path, monkeypatch):
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        trainer.use_compilation_cache("none", str(tmp_path))
+        assert jax.config.jax_compilation_cache_dir is None
+        trainer.use_compilation_cache("", str(tmp_path))
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "compilation_cache")
+        trainer.use_compilation_cache(str(tmp_path / "elsewhere"), str(tmp_path))  # already chosen: kept
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "compilation_cache")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)

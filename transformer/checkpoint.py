@@ -4,17 +4,24 @@ Each checkpoint holds two items: `default`, the TrainState (the name single-item
 versions used, so those stay readable), and `data`, the input pipeline's iterator state, one JSON file
 per process written by grain's Orbax handler, so a resumed run continues the data exactly.
 
+Evaluation and averaging read parameters only (`restore_params`, a partial restore), from full states or from
+params snapshots (`workdir/params`: checkpoints whose state is `{"params": ...}`), which a run keeps for the
+last `decode.average_last` checkpoints so that averaging N needs N parameter sets on disk, not N train states.
+
 A restore first compares the checkpoint's array shapes with the model being built, so a checkpoint
 from another model shape fails with a message naming the first differing parameter, and is not touched.
 """
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 from typing import Any
 
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -108,11 +115,26 @@ class Checkpointer:
         return self.manager.restore(step, args=args)[STATE_ITEM]
 
     def restore_data_state(self, step: int) -> bytes | None:
-        """This process's data iterator state saved at `step`; None for a checkpoint written without one."""
-        if not os.path.isdir(os.path.join(self.directory, str(step), DATA_ITEM)):
+        """This process's data iterator state saved at `step`; None for a checkpoint written without one.
+
+        Every process's state is the same (each computes the whole packing plan and takes its own block of rows),
+        so a checkpoint written by another number of processes restores onto this one: its files
+        (`process_<i>-of-<n>.json`, grain's names) are read and must agree."""
+        directory = os.path.join(self.directory, str(step), DATA_ITEM)
+        if not os.path.isdir(directory):
             return None
-        args = ocp.args.Composite(**{DATA_ITEM: grain.checkpoint.CheckpointRestore(IteratorState())})
-        return self.manager.restore(step, args=args)[DATA_ITEM].get_state()
+        own = os.path.join(directory, f"process_{jax.process_index()}-of-{jax.process_count()}.json")
+        names = [own] if os.path.exists(own) else sorted(glob.glob(os.path.join(directory, "process_*-of-*.json")))
+        states = {}
+        for name in names:
+            with open(name, "rb") as handle:
+                states[name] = handle.read()
+        if not states:
+            raise CheckpointMismatchError(f"{directory} holds no data iterator state (process_<i>-of-<n>.json)")
+        if len({json.dumps(json.loads(s), sort_keys=True) for s in states.values()}) > 1:
+            raise CheckpointMismatchError(f"the data iterator states in {directory} differ between processes, so "
+                                          f"they cannot be restored onto {jax.process_count()} process(es)")
+        return next(iter(states.values()))
 
     def best_step(self) -> int | None:
         return self.manager.best_step()
@@ -131,31 +153,54 @@ class Checkpointer:
             items[DATA_ITEM] = grain.checkpoint.CheckpointSave(IteratorState(data_state))
         return self.manager.save(step, args=ocp.args.Composite(**items), force=True, metrics=metrics)
 
-    def average(self, abstract_state: PyTree, steps: list[int]) -> PyTree:
-        """The state of the last of `steps` with its params replaced by the mean of the params of all `steps`
-        (the paper's checkpoint averaging). Every checkpoint's shapes are checked before any is read."""
-        missing = sorted(set(steps) - set(self.all_steps()))
-        if missing:
-            raise FileNotFoundError(f"no checkpoint for step(s) {missing} in {self.directory}; found {self.all_steps()}")
-        for step in steps:
-            try:
-                check_compatible(self.manager.item_metadata(step)[STATE_ITEM], abstract_state, self.directory)
-            except CheckpointMismatchError as error:
-                raise CheckpointMismatchError(f"cannot average step {step}: {error}") from error
-        total, state = None, None
-        for step in steps:
-            state = self.restore(abstract_state, step)
-            # Summed in float64 on the host: exact enough for any N, and independent of the order of steps.
-            params = jax.tree.map(lambda x: np.asarray(x, np.float64), state.params)
-            total = params if total is None else jax.tree.map(np.add, total, params)
-        mean = jax.tree.map(lambda t, x: (t / len(steps)).astype(x.dtype), total, state.params)
-        return state.replace(params=mean)
+    def restore_params(self, abstract_params: PyTree, step: int) -> PyTree:
+        """Only the parameters of `step`, into the shapes and shardings of `abstract_params`: a partial restore
+        that reads neither Adam's moments nor the rest (a third of the state's bytes), from a full state or a
+        params snapshot alike (both hold a `params` subtree)."""
+        if step not in self.all_steps():
+            raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; found {self.all_steps()}")
+        saved = self.manager.item_metadata(step)[STATE_ITEM]
+        check_compatible({"params": saved["params"]}, {"params": abstract_params}, self.directory)
+        target = {"params": abstract_params}
+        args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                      partial_restore=True)
+        path = os.path.join(self.directory, str(step), STATE_ITEM)
+        return ocp.PyTreeCheckpointer().restore(path, args=args)["params"]
+
+    def average_params(self, abstract_params: PyTree, steps: list[int]) -> PyTree:
+        """The mean of the parameters of `steps` held here (see `average_params`)."""
+        return average_params([(self, step) for step in steps], abstract_params)
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
         self.manager.close()
+
+
+def average_params(sources: list[tuple[Checkpointer, int]], abstract_params: PyTree) -> PyTree:
+    """The mean of the parameters of each (checkpointer, step) (the paper's checkpoint averaging), summed on the
+    devices in the shardings of `abstract_params`, so that no process holds more than its shards. Every
+    checkpoint is found and its shapes checked before any is read."""
+    for checkpointer, step in sources:
+        if step not in checkpointer.all_steps():
+            raise FileNotFoundError(f"no checkpoint for step {step} in {checkpointer.directory}; found "
+                                    f"{checkpointer.all_steps()}")
+        try:
+            saved = checkpointer.manager.item_metadata(step)[STATE_ITEM]
+            check_compatible({"params": saved["params"]}, {"params": abstract_params}, checkpointer.directory)
+        except CheckpointMismatchError as error:
+            raise CheckpointMismatchError(f"cannot average step {step}: {error}") from error
+    total = None
+    for checkpointer, step in sources:
+        params = checkpointer.restore_params(abstract_params, step)
+        total = params if total is None else _add(total, params)
+    return _scale(total, 1.0 / len(sources))
+
+
+# Donating the running sum keeps one sum and one checkpoint's parameters on the devices, whatever N.
+_add = jax.jit(lambda total, params: jax.tree.map(jnp.add, total, params), donate_argnums=0)
+_scale = jax.jit(lambda total, factor: jax.tree.map(lambda x: (x * factor).astype(x.dtype), total), donate_argnums=0)
 
 
 def abstract_like(tree: PyTree) -> PyTree:

@@ -2,12 +2,14 @@
 
 Training runs through a grain pipeline over a token cache:
 
-    read the split -> tokenize once (grain, optional worker processes) into `workdir/tokens/` (npy files)
-    -> drop pairs longer than max_length (counted and logged) -> global shuffle, reseeded every epoch
+    stream the split once into a spill on disk -> vocabulary from a seeded sample of it -> tokenize once
+    (grain, optional worker processes) into `workdir/tokens/` (npy files, written chunk by chunk) -> drop pairs longer than max_length (counted and logged) -> global shuffle, reseeded every epoch
     -> repeat -> this process's shard (every process_count-th element, so shards are disjoint and together
     complete) -> first-fit packing into rows of max_length (segment ids + positions, so attention never
     crosses sentences) -> rows_per_batch rows per batch -> optional grain worker processes.
 
+The cache is named by a fingerprint of what it came from (the source's identity, not its contents: see
+`split_fingerprint`) and by the vocabulary, so a restart finds it without reading the training split at all.
 One batch shape, hence one compilation, and little padding. The grain iterator's state goes into each
 checkpoint, so a resumed run continues exactly where the saved one stopped. Evaluation and decoding use
 padded, length-bucketed batches of whole splits (`eval_batches`, `decode_batches`).
@@ -18,9 +20,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import itertools
 import os
+import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import grain
@@ -30,7 +34,7 @@ from absl import logging
 
 from transformer import corpus, sources
 from transformer.sources import DataError
-from transformer.tokenizer import EOS_ID, Tokenizer, train_tokenizer
+from transformer.tokenizer import Tokenizer, train_tokenizer
 
 SOURCES = ("builtin", "text", "tfds")
 SPLITS = ("train", "valid", "test")
@@ -100,33 +104,212 @@ def text_files(config: DataConfig, split: str) -> tuple[str, str]:
 
 def read_split(config: DataConfig, split: str) -> list[tuple[str, str]]:
     """(source, target) sentence pairs of one split."""
+    return list(iter_split(config, split))
+
+
+def iter_split(config: DataConfig, split: str) -> Iterator[tuple[str, str]]:
+    """The pairs of `read_split`, streamed."""
     if split not in SPLITS:
         raise DataError(f"unknown split {split!r}; expected one of {SPLITS}")
     if config.source == "builtin":
         sizes = dict(train_size=config.builtin_train_size, valid_size=config.builtin_valid_size,
                      test_size=config.builtin_test_size)
-        return corpus.builtin_split(split, seed=config.builtin_seed, source_lang=config.source_lang,
-                                    target_lang=config.target_lang, **sizes)
+        return corpus.iter_builtin_split(split, seed=config.builtin_seed, source_lang=config.source_lang,
+                                         target_lang=config.target_lang, **sizes)
     if config.source == "text":
-        return sources.read_text_pair(*text_files(config, split))
-    return sources.read_tfds(config.tfds_name, config.split_name(split), source_lang=config.source_lang,
+        return sources.iter_text_pair(*text_files(config, split))
+    return sources.iter_tfds(config.tfds_name, config.split_name(split), source_lang=config.source_lang,
                              target_lang=config.target_lang, data_dir=config.tfds_data_dir or None)
 
 
-def wait_for_file(path: str, what: str, timeout_seconds: float = 3600.0, poll_seconds: float = 1.0) -> None:
+def split_fingerprint(config: DataConfig, split: str) -> dict[str, Any]:
+    """What a split is read from, found without reading a pair of it: the built-in generator's version, seed
+    and size; each text file's path, size and modification time; the TFDS dataset's name, version, where it
+    is prepared, split and example count. Stat, not a content digest, for text files: a digest would read
+    all of WMT14's text (over a gigabyte) on every restart, while any edit changes the modification time (a
+    copy or `touch` only costs a rebuild)."""
+    common = {"source": config.source, "split": split, "languages": [config.source_lang, config.target_lang]}
+    if config.source == "builtin":
+        size = {"train": config.builtin_train_size, "valid": config.builtin_valid_size,
+                "test": config.builtin_test_size}[split]
+        return {**common, "generator": corpus.GENERATOR_VERSION, "seed": config.builtin_seed, "size": size}
+    if config.source == "text":
+        return {**common, "files": [sources.file_fingerprint(path) for path in text_files(config, split)]}
+    return {**common, "tfds": sources.tfds_fingerprint(config.tfds_name, config.split_name(split),
+                                                        config.tfds_data_dir or None)}
+
+
+class PairSpill:
+    """Sentence pairs as UTF-8 bytes plus offsets on disk, memory-mapped: a split streamed in once, then read
+    by random access (the vocabulary's sample, the tokenizing pass's chunks, in any grain worker: it pickles
+    as its directory). numpy rather than a record format, because a chunk of consecutive pairs is then one
+    slice of the map."""
+
+    SIDES = ("source", "target")
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self._arrays = None
+
+    def __getstate__(self):
+        return {"directory": self.directory, "_arrays": None}
+
+    @classmethod
+    def write(cls, pairs: Iterable[tuple[str, str]], directory: str, batch_size: int = 65536) -> "PairSpill":
+        """Stream `pairs` into `directory` holding only their lengths in memory; a failure removes it."""
+        os.makedirs(directory, exist_ok=True)  # a crashed start of the same pid (containers) left it: overwritten
+        lengths: dict[str, list[np.ndarray]] = {side: [np.zeros(1, np.int64)] for side in cls.SIDES}
+        try:
+            with open(os.path.join(directory, "source.bin"), "wb") as source, \
+                    open(os.path.join(directory, "target.bin"), "wb") as target:
+                iterator = iter(pairs)
+                while batch := list(itertools.islice(iterator, batch_size)):
+                    for side, handle, texts in (("source", source, [s for s, _ in batch]),
+                                                ("target", target, [t for _, t in batch])):
+                        encoded = [text.encode() for text in texts]
+                        handle.write(b"".join(encoded))
+                        lengths[side].append(np.fromiter(map(len, encoded), np.int64, len(encoded)))
+            for side in cls.SIDES:
+                np.save(os.path.join(directory, f"{side}_offsets.npy"), np.cumsum(np.concatenate(lengths[side])))
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        return cls(directory)
+
+    @property
+    def arrays(self) -> dict[str, np.ndarray]:
+        if self._arrays is None:
+            self._arrays = {}
+            for side in self.SIDES:
+                path = os.path.join(self.directory, f"{side}.bin")
+                self._arrays[side] = (np.memmap(path, np.uint8, mode="r") if os.path.getsize(path)
+                                      else np.zeros(0, np.uint8))  # mmap refuses an empty file
+                self._arrays[f"{side}_offsets"] = np.load(os.path.join(self.directory, f"{side}_offsets.npy"))
+        return self._arrays
+
+    def __len__(self) -> int:
+        return len(self.arrays["source_offsets"]) - 1
+
+    def texts(self, side: str, start: int, stop: int) -> list[str]:
+        offsets = self.arrays[f"{side}_offsets"][start:stop + 1]
+        raw = self.arrays[side][offsets[0]:offsets[-1]].tobytes() if len(offsets) else b""
+        ends = (offsets - offsets[0]).tolist() if len(offsets) else []
+        return [raw[a:b].decode() for a, b in zip(ends[:-1], ends[1:])]
+
+    def __getitem__(self, index: slice) -> list[tuple[str, str]]:
+        start, stop, _ = index.indices(len(self))
+        stop = max(start, stop)
+        return list(zip(self.texts("source", start, stop), self.texts("target", start, stop)))
+
+    def sentences(self) -> "SpillSentences":
+        return SpillSentences(self)
+
+    def remove(self) -> None:
+        self._arrays = None
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class SpillSentences(Sequence):
+    """The spill's sentences in the order [source 0, target 0, source 1, ...] (the order the vocabulary's
+    sample has always been drawn in, so the same split gives the same vocabulary), one decoded on each access."""
+
+    def __init__(self, spill: PairSpill):
+        self.spill = spill
+
+    def __len__(self) -> int:
+        return 2 * len(self.spill)
+
+    def __getitem__(self, index: int) -> str:
+        pair, side = divmod(int(index), 2)
+        return self.spill.texts(PairSpill.SIDES[side], pair, pair + 1)[0]
+
+
+class SplitSource:
+    """A split known by its fingerprint, whose pairs are read only if the vocabulary or the token cache must
+    be built: then once, streamed into a spill in the workdir that both read, removed by `close`."""
+
+    def __init__(self, name: str, fingerprint: dict[str, Any], pairs: Iterable[tuple[str, str]]):
+        self.name, self.fingerprint, self._pairs = name, fingerprint, pairs
+        self._spill: PairSpill | None = None
+
+    @classmethod
+    def of_pairs(cls, pairs: list[tuple[str, str]], name: str = "pairs") -> "SplitSource":
+        """Pairs already in memory, fingerprinted by their content."""
+        digest = hashlib.sha256()
+        for pair in pairs:
+            digest.update(repr(pair).encode())
+        return cls(name, {"source": "pairs", "pairs": len(pairs), "sha256": digest.hexdigest()}, pairs)
+
+    def spill(self, directory: str) -> PairSpill | list[tuple[str, str]]:
+        """The pairs with random access: an in-memory list as it is, a stream spilled (once) under directory."""
+        if isinstance(self._pairs, list):
+            return self._pairs
+        if self._spill is None:
+            start = time.perf_counter()
+            self._spill = PairSpill.write(self._pairs, os.path.join(directory, f"{self.name}-text.tmp{os.getpid()}"))
+            if not len(self._spill):
+                raise DataError(f"the {self.name} split has no sentence pairs")
+            logging.info("read %d %s pairs into %s in %.1fs", len(self._spill), self.name, self._spill.directory,
+                         time.perf_counter() - start)
+        return self._spill
+
+    def sentences(self, directory: str) -> Sequence[str]:
+        spill = self.spill(directory)
+        return spill.sentences() if isinstance(spill, PairSpill) else [text for pair in spill for text in pair]
+
+    def close(self) -> None:
+        if self._spill is not None:
+            parent = os.path.dirname(self._spill.directory)
+            self._spill.remove()
+            self._spill = None
+            if os.path.isdir(parent) and not os.listdir(parent):  # a start that failed leaves no empty tokens/
+                os.rmdir(parent)
+
+    def __enter__(self) -> "SplitSource":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def split_source(config: DataConfig, split: str) -> SplitSource:
+    """The split's fingerprint now (a missing file or dataset fails here), its pairs only when spilled."""
+    return SplitSource(split, split_fingerprint(config, split), iter_split(config, split))
+
+
+def as_split_source(pairs: SplitSource | list[tuple[str, str]], name: str) -> SplitSource:
+    return pairs if isinstance(pairs, SplitSource) else SplitSource.of_pairs(pairs, name)
+
+
+class SplitPairs(dict):
+    """split -> its (source, target) pairs, each split read on first use: the trainer reads the evaluation
+    splits at start, and the train split only if something asks for its text (BLEU on train)."""
+
+    def __init__(self, config: DataConfig):
+        super().__init__()
+        self.config = config
+
+    def __missing__(self, split: str) -> list[tuple[str, str]]:
+        self[split] = pairs = read_split(self.config, split)
+        return pairs
+
+
+def wait_for_file(path: str, what: str, timeout_seconds: float = 3600.0, poll_seconds: float = 1.0,
+                  hint: str = "") -> None:
     """Block until process 0 has written `path` (files are written under a temporary name and renamed,
     so existence means complete)."""
     deadline = time.monotonic() + timeout_seconds
     while not os.path.exists(path):
         if time.monotonic() > deadline:
             raise TimeoutError(f"waited {timeout_seconds:.0f}s for process 0 to write the {what} {path}; "
-                               "did process 0 fail? Its log says why.")
+                               f"did process 0 fail? Its log says why.{hint}")
         time.sleep(poll_seconds)
 
 
-def load_or_train_tokenizer(config: DataConfig, train_pairs: list[tuple[str, str]], workdir: str, *,
+def load_or_train_tokenizer(config: DataConfig, train: SplitSource | list[tuple[str, str]], workdir: str, *,
                             process_index: int | None = None) -> Tokenizer:
-    """The given vocab_path, else `workdir/vocab.model` if a previous run wrote it, else train one there.
+    """The given vocab_path, else `workdir/vocab.model` if a previous run wrote it, else train one there on a
+    seeded sample of the train split (spilled to disk first, so the split is never whole in memory).
 
     On many processes only process 0 trains; the others wait for its file (the workdir is shared)."""
     if config.vocab_path:
@@ -143,10 +326,13 @@ def load_or_train_tokenizer(config: DataConfig, train_pairs: list[tuple[str, str
             raise DataError(f"{path} has {tokenizer.vocab_size} pieces but data.vocab_size={config.vocab_size}: "
                             "this workdir belongs to another run; use a new --workdir")
         return tokenizer
-    sentences = [text for pair in train_pairs for text in pair]
-    return train_tokenizer(sentences, path, vocab_size=config.vocab_size,
-                           character_coverage=config.vocab_character_coverage,
-                           max_sentences=config.vocab_max_sentences, max_characters=config.vocab_max_characters)
+    sentences = as_split_source(train, "train").sentences(os.path.join(workdir, "tokens"))
+    start = time.perf_counter()
+    tokenizer = train_tokenizer(sentences, path, vocab_size=config.vocab_size,
+                                character_coverage=config.vocab_character_coverage,
+                                max_sentences=config.vocab_max_sentences, max_characters=config.vocab_max_characters)
+    logging.info("trained the vocabulary %s in %.1fs", path, time.perf_counter() - start)
+    return tokenizer
 
 
 @dataclasses.dataclass
@@ -236,6 +422,7 @@ def decode_batches(inputs: list[np.ndarray], batch_size: int) -> Iterator[tuple[
 MODEL_KEYS = ("inputs", "targets", "inputs_segmentation", "targets_segmentation", "inputs_position",
               "targets_position")
 CACHE_FILES = ("inputs.npy", "input_offsets.npy", "targets.npy", "target_offsets.npy")
+SOURCE_FILE = "source.json"  # in a cache: the fingerprint of its split and the vocabulary's digest
 TOKENIZE_CHUNK = 4096  # pairs per grain element of the tokenizing pass: amortizes worker IPC
 
 
@@ -254,17 +441,18 @@ class TokenizeChunk:
             self._processor = Tokenizer(self.model_path).processor
         chunk = {}
         for side, texts in (("inputs", [s for s, _ in pairs]), ("targets", [t for _, t in pairs])):
-            ids = self._processor.encode(texts)
-            chunk[f"{side}_lengths"] = np.fromiter((len(x) + 1 for x in ids), np.int64, len(ids))  # + EOS
-            chunk[side] = np.fromiter((t for x in ids for t in (*x, EOS_ID)), np.int32,
-                                      int(chunk[f"{side}_lengths"].sum()))
+            ids = self._processor.encode(texts, add_eos=True)
+            chunk[f"{side}_lengths"] = np.fromiter(map(len, ids), np.int64, len(ids))
+            # chain.from_iterable walks the ids in C: a fifth faster than a generator over every token.
+            chunk[side] = np.fromiter(itertools.chain.from_iterable(ids), np.int32, int(chunk[f"{side}_lengths"].sum()))
         return chunk
 
 
 class PairChunks:
-    """Random access to consecutive chunks of a list of pairs (the grain source of the tokenizing pass)."""
+    """Random access to consecutive chunks of pairs, a list or a PairSpill (the grain source of the tokenizing
+    pass)."""
 
-    def __init__(self, pairs: list[tuple[str, str]], chunk_size: int):
+    def __init__(self, pairs: list[tuple[str, str]] | PairSpill, chunk_size: int):
         self.pairs, self.chunk_size = pairs, chunk_size
 
     def __len__(self) -> int:
@@ -307,66 +495,142 @@ class TokenCache:
                 for side, offsets in (("inputs", "input_offsets"), ("targets", "target_offsets"))}
 
     @classmethod
-    def build(cls, pairs: list[tuple[str, str]], model_path: str, directory: str, *, num_workers: int = 0,
-              chunk_size: int = TOKENIZE_CHUNK) -> "TokenCache":
-        """Tokenize `pairs` (grain, with num_workers processes) and write the cache."""
+    def build(cls, pairs: list[tuple[str, str]] | PairSpill, model_path: str, directory: str, *,
+              num_workers: int = 0, chunk_size: int = TOKENIZE_CHUNK, record: dict | None = None) -> "TokenCache":
+        """Tokenize `pairs` (grain, with num_workers processes) and write the cache chunk by chunk."""
         dataset = grain.MapDataset.source(PairChunks(pairs, chunk_size)).map(TokenizeChunk(model_path))
         dataset = dataset.to_iter_dataset(grain.ReadOptions(num_threads=0))
         if num_workers:
             dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
-        parts: dict[str, list[np.ndarray]] = {k: [] for k in ("inputs", "targets", "inputs_lengths",
-                                                               "targets_lengths")}
-        iterator = iter(dataset)
-        for chunk in iterator:  # mp_prefetch keeps the chunk order: the cache does not depend on num_workers
-            for key, value in chunk.items():
-                parts[key].append(value)
-        if hasattr(iterator, "close"):
-            iterator.close()
-        return cls.write(directory, **{key: np.concatenate(value) for key, value in parts.items()})
+        with CacheWriter(directory) as writer:
+            iterator = iter(dataset)
+            try:
+                for chunk in iterator:  # mp_prefetch keeps the chunk order: the cache does not depend on num_workers
+                    writer.append(chunk)
+            finally:
+                if hasattr(iterator, "close"):
+                    iterator.close()
+            writer.finish(record)
+        return cls(directory)
 
     @classmethod
     def write(cls, directory: str, *, inputs: np.ndarray, inputs_lengths: np.ndarray, targets: np.ndarray,
-              targets_lengths: np.ndarray) -> "TokenCache":
-        """Write flat token arrays and per-pair lengths as a cache, into a temporary folder renamed when
-        complete (a crash leaves no half cache behind)."""
-        dtype = np.uint16 if max(int(inputs.max(initial=0)), int(targets.max(initial=0))) < 2**16 \
-            else np.int32  # halves the cache of a 32k vocabulary
-        temporary = f"{directory}.tmp{os.getpid()}"
-        os.makedirs(temporary, exist_ok=True)
-        for side, tokens, lengths, offsets in (("inputs", inputs, inputs_lengths, "input_offsets"),
-                                               ("targets", targets, targets_lengths, "target_offsets")):
-            np.save(os.path.join(temporary, f"{side}.npy"), tokens.astype(dtype))
-            np.save(os.path.join(temporary, f"{offsets}.npy"), np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
-        os.replace(temporary, directory)
+              targets_lengths: np.ndarray, record: dict | None = None) -> "TokenCache":
+        """Write flat token arrays and per-pair lengths as a cache (one chunk of CacheWriter)."""
+        with CacheWriter(directory) as writer:
+            writer.append({"inputs": inputs, "inputs_lengths": inputs_lengths, "targets": targets,
+                           "targets_lengths": targets_lengths})
+            writer.finish(record)
         return cls(directory)
 
 
-def cache_directory(workdir: str, split: str, model_path: str, num_pairs: int) -> str:
-    """`workdir/tokens/<split>-<digest>`: the digest covers the vocabulary and the number of pairs, so a
-    cache is never read against another vocabulary."""
+class CacheWriter:
+    """Writes a token cache chunk by chunk into a temporary folder renamed when complete (a crash leaves no
+    half cache behind). Tokens go to raw int32 files as they come and only the per-pair lengths stay in
+    memory; `finish` converts them into the npy files, once every chunk is in and so the token dtype known."""
+
+    SIDES = (("inputs", "input_offsets"), ("targets", "target_offsets"))
+    COPY_BLOCK = 1 << 24  # tokens per copy from the raw files: bounds the memory of `finish`
+
+    def __init__(self, directory: str):
+        self.directory, self.temporary = directory, f"{directory}.tmp{os.getpid()}"
+        os.makedirs(self.temporary, exist_ok=True)
+        self._raw = {side: open(self._raw_path(side), "wb") for side, _ in self.SIDES}
+        self._lengths: dict[str, list[np.ndarray]] = {side: [np.zeros(1, np.int64)] for side, _ in self.SIDES}
+        self._max = 0
+
+    def _raw_path(self, side: str) -> str:
+        return os.path.join(self.temporary, f"{side}.int32")
+
+    def append(self, chunk: dict[str, np.ndarray]) -> None:
+        for side, _ in self.SIDES:
+            tokens = np.asarray(chunk[side], np.int32)
+            tokens.tofile(self._raw[side])
+            self._lengths[side].append(np.asarray(chunk[f"{side}_lengths"], np.int64))
+            self._max = max(self._max, int(tokens.max(initial=0)))
+
+    def finish(self, record: dict | None = None) -> None:
+        dtype = np.uint16 if self._max < 2**16 else np.int32  # halves the cache of a 32k vocabulary
+        for side, offsets in self.SIDES:
+            self._raw[side].close()
+            count = os.path.getsize(self._raw_path(side)) // 4
+            raw = np.memmap(self._raw_path(side), np.int32, mode="r") if count else np.zeros(0, np.int32)
+            tokens = np.lib.format.open_memmap(os.path.join(self.temporary, f"{side}.npy"), mode="w+",
+                                               dtype=dtype, shape=(count,))
+            for start in range(0, count, self.COPY_BLOCK):
+                tokens[start:start + self.COPY_BLOCK] = raw[start:start + self.COPY_BLOCK]
+            tokens.flush()
+            del tokens, raw
+            os.remove(self._raw_path(side))
+            np.save(os.path.join(self.temporary, f"{offsets}.npy"), np.cumsum(np.concatenate(self._lengths[side])))
+        if record is not None:
+            with open(os.path.join(self.temporary, SOURCE_FILE), "w", encoding="utf-8") as handle:
+                json.dump({**record, "pairs": int(sum(map(len, self._lengths["inputs"]))) - 1}, handle, indent=1)
+        os.replace(self.temporary, self.directory)
+
+    def __enter__(self) -> "CacheWriter":
+        return self
+
+    def __exit__(self, exc_type, *exc_info) -> None:
+        for handle in self._raw.values():
+            handle.close()
+        if exc_type is not None:  # only our own temporary folder: the caller's files stay
+            shutil.rmtree(self.temporary, ignore_errors=True)
+
+
+def cache_record(model_path: str, fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """What a cache is built from: its split's fingerprint and the vocabulary's digest."""
     with open(model_path, "rb") as handle:
-        digest = hashlib.sha256(handle.read() + str(num_pairs).encode()).hexdigest()[:12]
+        return {"source": fingerprint, "vocabulary": hashlib.sha256(handle.read()).hexdigest()}
+
+
+def cache_directory(workdir: str, split: str, record: dict[str, Any]) -> str:
+    """`workdir/tokens/<split>-<digest>`, the digest of `cache_record`: a cache is found without reading the
+    split, and never read against another source or vocabulary."""
+    digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:12]
     return os.path.join(workdir, "tokens", f"{split}-{digest}")
 
 
-def load_or_build_token_cache(pairs: list[tuple[str, str]], tokenizer: Tokenizer, workdir: str, split: str, *,
-                              num_workers: int = 0, process_index: int | None = None) -> TokenCache:
-    """The split's cache in the workdir: process 0 builds it if absent, the other processes wait for it."""
-    directory = cache_directory(workdir, split, tokenizer.path, len(pairs))
+def load_or_build_token_cache(train: SplitSource | list[tuple[str, str]], tokenizer: Tokenizer, workdir: str,
+                              split: str, *, num_workers: int = 0, process_index: int | None = None,
+                              timeout_seconds: float = 3600.0) -> TokenCache:
+    """The split's cache in the workdir, found by the split's fingerprint: process 0 builds it if absent (and
+    only then reads the split), the other processes wait for it."""
+    source = as_split_source(train, split)
+    record = cache_record(tokenizer.path, source.fingerprint)
+    directory = cache_directory(workdir, split, record)
     process_index = jax.process_index() if process_index is None else process_index
     if not os.path.isdir(directory):
         if process_index != 0:
-            wait_for_file(directory, f"{split} token cache")
+            wait_for_file(directory, f"{split} token cache", timeout_seconds, hint=(
+                " Else this process sees another source than process 0: the cache is named by the source files'"
+                " paths, sizes and modification times, which must be the same for every process."))
         else:
             start = time.perf_counter()
-            TokenCache.build(pairs, tokenizer.path, directory, num_workers=num_workers)
-            logging.info("tokenized %d %s pairs into %s in %.1fs", len(pairs), split, directory,
-                         time.perf_counter() - start)
-    cache = TokenCache(directory)
-    if len(cache) != len(pairs):
-        raise DataError(f"token cache {directory} holds {len(cache)} pairs but the {split} split has {len(pairs)}; "
+            TokenCache.build(source.spill(os.path.join(workdir, "tokens")), tokenizer.path, directory,
+                             num_workers=num_workers, record=record)
+            logging.info("tokenized the %s split into %s in %.1fs", split, directory, time.perf_counter() - start)
+    check_cache_record(directory, record)
+    return TokenCache(directory)
+
+
+def check_cache_record(directory: str, record: dict[str, Any]) -> None:
+    """A cache found by name is used only if its SOURCE_FILE says it came from `record`."""
+    path = os.path.join(directory, SOURCE_FILE)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            stored = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise DataError(f"token cache {directory} has no readable {SOURCE_FILE} ({error}); delete that folder "
+                        "to rebuild it") from error
+    if {key: stored.get(key) for key in record} != record:
+        built, wanted = stored.get("source") or {}, record["source"]
+        changes = [f"{key} {built.get(key)!r} -> {wanted.get(key)!r}" for key in sorted({*built, *wanted})
+                   if built.get(key) != wanted.get(key)]
+        if stored.get("vocabulary") != record["vocabulary"]:
+            changes.append("another vocabulary")
+        raise DataError(f"token cache {directory} was built from another source ({'; '.join(changes)}); "
                         "delete that folder to rebuild it")
-    return cache
 
 
 @dataclasses.dataclass(frozen=True)

@@ -141,12 +141,17 @@ def batch_sharding(mesh: Mesh, config: MeshConfig) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(config.logical_rules.get("batch", BATCH_AXES) or None))
 
 
+def batch_axis_size(mesh_shape, config: MeshConfig) -> int:
+    """How many ways the `batch` rule's mesh axes split the rows of a batch (mesh_shape: axis -> size)."""
+    return int(np.prod([mesh_shape[a] for a in config.logical_rules.get("batch", BATCH_AXES)]))
+
+
 def check_batch_divisible(rows: int, mesh: Mesh, config: MeshConfig, what: str) -> None:
-    axes = config.logical_rules.get("batch", BATCH_AXES)
-    ways = int(np.prod([mesh.shape[a] for a in axes]))
+    ways = batch_axis_size(mesh.shape, config)
     if rows % ways:
+        axes = config.logical_rules.get("batch", BATCH_AXES)
         raise ValueError(f"{what}: {rows} rows per batch cannot be split {ways} ways over mesh axes {axes} "
-                         f"(mesh {dict(mesh.shape)}); change data.tokens_per_batch or the mesh")
+                         f"(mesh {dict(mesh.shape)}); change the batch or the mesh")
 
 
 def place_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:

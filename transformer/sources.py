@@ -3,7 +3,10 @@
 Both readers return a plain Python list of `(source, target)` string pairs, with
 surrounding whitespace stripped and pairs dropped where either side is empty
 (an empty side carries nothing to learn from, and would break length-based
-filtering downstream). Bad input raises `DataError`, whose message names the
+filtering downstream). `iter_text_pair` and `iter_tfds` give the same pairs as a
+stream, so that a multi-million-pair training split never has to be held in
+Python objects at once; `file_fingerprint` and `tfds_fingerprint` identify a
+source without reading its examples (the token cache is found by them). Bad input raises `DataError`, whose message names the
 file, line, dataset, split, key or value at fault, so that a user can fix the
 data without reading a traceback.
 
@@ -71,6 +74,14 @@ def read_text_pair(
         lines (the message gives both paths and counts); or no pair has text on
         both sides.
     """
+    return list(iter_text_pair(source_path, target_path))
+
+
+def iter_text_pair(
+    source_path: str | os.PathLike[str], target_path: str | os.PathLike[str]
+) -> Iterator[tuple[str, str]]:
+    """The pairs of `read_text_pair`, streamed: the same pairs, order and errors,
+    in constant memory (an error in a late line is raised when it is reached)."""
     source_path, target_path = os.fspath(source_path), os.fspath(target_path)
     with contextlib.ExitStack() as open_files:
         # Open both files before reading either, so that a missing or
@@ -79,7 +90,7 @@ def read_text_pair(
         target_file = open_files.enter_context(_open_binary(target_path))
         source_lines = _decode_lines(source_path, source_file)
         target_lines = _decode_lines(target_path, target_file)
-        return _align_lines(source_path, source_lines, target_path, target_lines)
+        yield from _align_lines(source_path, source_lines, target_path, target_lines)
 
 
 def _align_lines(
@@ -87,9 +98,9 @@ def _align_lines(
     source_lines: Iterator[str],
     target_path: str,
     target_lines: Iterator[str],
-) -> list[tuple[str, str]]:
+) -> Iterator[tuple[str, str]]:
     """Pairs up the lines of two files, checking counts and skipping empty pairs."""
-    pairs: list[tuple[str, str]] = []
+    num_pairs = 0
     num_lines = 0
     num_skipped = 0
     # zip_longest rather than zip: a shorter file must not silently truncate
@@ -106,11 +117,12 @@ def _align_lines(
             )
         num_lines += 1
         if source and target:
-            pairs.append((source, target))
+            num_pairs += 1
+            yield source, target
         else:
             num_skipped += 1
 
-    if not pairs:
+    if not num_pairs:
         detail = (
             "both files are empty"
             if num_lines == 0
@@ -125,7 +137,18 @@ def _align_lines(
             source_path,
             target_path,
         )
-    return pairs
+
+
+def file_fingerprint(path: str) -> dict[str, Any]:
+    """What identifies a data file without reading it: its real path, size and
+    modification time (any edit, copy or `touch` changes one of them)."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError as error:
+        raise DataError(f"file not found: {path!r}") from error
+    except OSError as error:
+        raise DataError(f"cannot read {path!r}: {error}") from error
+    return {"path": os.path.realpath(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
 def _open_binary(path: str) -> Any:
@@ -219,9 +242,58 @@ def read_tfds(
         value that is not valid UTF-8; or no pair with text on both sides. The
         TFDS exception, where there is one, is kept as `__cause__`.
     """
+    return list(iter_tfds(name, split, source_lang=source_lang, target_lang=target_lang, data_dir=data_dir))
+
+
+def iter_tfds(
+    name: str,
+    split: str,
+    *,
+    source_lang: str,
+    target_lang: str,
+    data_dir: str | None = None,
+) -> Iterator[tuple[str, str]]:
+    """The pairs of `read_tfds`, streamed: the same pairs, order and errors, in
+    constant memory (the dataset is opened at the first `next`)."""
+    data_source = _open_data_source(name, split, data_dir)
+    where = f"TFDS dataset {name!r} split {split!r}"
+    num_pairs = 0
+    num_examples = 0
+    num_skipped = 0
+    for index, example in enumerate(_iter_examples(data_source)):
+        num_examples += 1
+        if source_lang not in example or target_lang not in example:
+            missing = [lang for lang in (source_lang, target_lang) if lang not in example]
+            raise DataError(
+                f"{where}: no language {', '.join(map(repr, missing))} in example {index}; "
+                f"its keys are {sorted(example)}"
+            )
+        source = _decode_value(example[source_lang], where, index, source_lang)
+        target = _decode_value(example[target_lang], where, index, target_lang)
+        if source and target:
+            num_pairs += 1
+            yield source, target
+        else:
+            num_skipped += 1
+
+    if not num_pairs:
+        detail = (
+            "it has no examples"
+            if num_examples == 0
+            else f"all {num_examples} examples are empty on at least one side"
+        )
+        raise DataError(f"{where} is empty: {detail}")
+    if num_skipped:
+        logging.info(
+            "Skipped %d of %d examples of %s with an empty side.", num_skipped, num_examples, where
+        )
+
+
+def _open_data_source(name: str, split: str, data_dir: str | None) -> Any:
+    """`tfds.data_source` of a prepared dataset, its failures as DataError."""
     tfds = _import_tfds()
     try:
-        data_source = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+        return tfds.data_source(name, split=split, data_dir=data_dir, download=False)
     except tfds.core.DatasetNotFoundError as error:
         # Trust TFDS's own lookup rather than pre-checking list_builders():
         # TFDS also opens unregistered datasets that are prepared in data_dir
@@ -236,37 +308,19 @@ def read_tfds(
         # version. Diagnose which case it is and say so.
         raise _open_error(tfds, name, split, data_dir, error) from error
 
-    where = f"TFDS dataset {name!r} split {split!r}"
-    pairs: list[tuple[str, str]] = []
-    num_examples = 0
-    num_skipped = 0
-    for index, example in enumerate(_iter_examples(data_source)):
-        num_examples += 1
-        if source_lang not in example or target_lang not in example:
-            missing = [lang for lang in (source_lang, target_lang) if lang not in example]
-            raise DataError(
-                f"{where}: no language {', '.join(map(repr, missing))} in example {index}; "
-                f"its keys are {sorted(example)}"
-            )
-        source = _decode_value(example[source_lang], where, index, source_lang)
-        target = _decode_value(example[target_lang], where, index, target_lang)
-        if source and target:
-            pairs.append((source, target))
-        else:
-            num_skipped += 1
 
-    if not pairs:
-        detail = (
-            "it has no examples"
-            if num_examples == 0
-            else f"all {num_examples} examples are empty on at least one side"
-        )
-        raise DataError(f"{where} is empty: {detail}")
-    if num_skipped:
-        logging.info(
-            "Skipped %d of %d examples of %s with an empty side.", num_skipped, num_examples, where
-        )
-    return pairs
+def tfds_fingerprint(name: str, split: str, data_dir: str | None = None) -> dict[str, Any]:
+    """What identifies a prepared TFDS split without reading its examples: the
+    dataset's full name (with the resolved version), where it is prepared, the
+    split string, and the size and modification time of its dataset_info.json
+    (rewritten whenever the dataset is prepared again)."""
+    data_source = _open_data_source(name, split, data_dir)  # an unprepared or unknown one fails here
+    tfds = _import_tfds()
+    builder = tfds.builder(name, data_dir=data_dir)
+    info_path = os.path.join(os.fspath(builder.data_dir), "dataset_info.json")
+    info = file_fingerprint(info_path) if os.path.exists(info_path) else None
+    return {"name": builder.info.full_name, "data_dir": os.fspath(builder.data_dir), "split": split,
+            "examples": len(data_source), "dataset_info": info}
 
 
 def _import_tfds() -> Any:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import io
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import sentencepiece as spm
@@ -53,20 +53,27 @@ class Tokenizer:
         return [self.processor.id_to_piece(int(i)) for i in ids]
 
 
-def sample_sentences(sentences: list[str], *, max_sentences: int, max_characters: int = 0,
+def sample_sentences(sentences: Sequence[str], *, max_sentences: int, max_characters: int = 0,
                      seed: int = 0) -> list[str]:
     """A seeded random sample drawn from the whole of `sentences`: at most max_sentences sentences and, when
     max_characters > 0, at most that many characters (always at least one sentence). Sampling from the
     whole split, not its first lines, matters: corpora are ordered by source (Europarl, then news, then
-    web crawl), and a prefix would give a vocabulary of one domain."""
+    web crawl), and a prefix would give a vocabulary of one domain. Only the sample is read from
+    `sentences` (any sequence: e.g. a split spilled to disk), never the whole of it."""
     order = np.random.default_rng(seed).permutation(len(sentences))[:max_sentences]
-    if max_characters > 0:
-        lengths = np.fromiter((len(sentences[i]) for i in order), np.int64, len(order))
-        order = order[:max(int(np.searchsorted(np.cumsum(lengths), max_characters, side="right")), 1)]
-    return [sentences[i] for i in order]
+    if max_characters <= 0:
+        return [sentences[i] for i in order]
+    sample, characters = [], 0
+    for index in order:  # a loop, not a cumsum over the whole order: reads no sentence past the cap
+        text = sentences[index]
+        characters += len(text)
+        if sample and characters > max_characters:
+            break
+        sample.append(text)
+    return sample
 
 
-def train_tokenizer(sentences: list[str], model_path: str, *, vocab_size: int, character_coverage: float = 1.0,
+def train_tokenizer(sentences: Sequence[str], model_path: str, *, vocab_size: int, character_coverage: float = 1.0,
                     max_sentences: int = 1_000_000, max_characters: int = 0, seed: int = 0) -> Tokenizer:
     """Train a unigram sentencepiece model on a seeded sample of `sentences` and write `model_path`.
 

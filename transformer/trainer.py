@@ -5,8 +5,10 @@ checkpoint, resume. The ConfigDict stops here: everything below reads frozen dat
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import json
+import math
 import os
 import time
 from collections import deque
@@ -19,7 +21,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from transformer import data, decode, metrics, optim, sharding, throughput
+from transformer import checkpoint, data, decode, metrics, optim, sharding, throughput
 from transformer.metrics import log
 from transformer.checkpoint import Checkpointer, abstract_like
 from transformer.model import ModelConfig, Transformer
@@ -29,6 +31,8 @@ from transformer.tokenizer import Tokenizer
 
 CONFIG_FILE = "config.json"
 BEST_CHECKPOINT_DIR = "best_checkpoint"
+PARAMS_DIR = "params"  # params snapshots of the last decode.average_last checkpoints, for averaging
+RUN_FILE = "run.json"  # the batch shape a run trains on, and each start's provenance
 REPORTS_FILE = "reports.json"  # the train.report_minutes scores, by mark, written at each mark
 
 
@@ -47,6 +51,8 @@ class TrainConfig:
     keep_best_checkpoint: bool = False  # also keep the checkpoint of the best dev (valid) BLEU in workdir/best_checkpoint
     max_train_minutes: float = 0.0  # stop once this much training time is spent (0: no budget)
     report_minutes: str = ""  # e.g. "20": at these training minutes also average, decode and score, then go on
+    checkpoint_every_minutes: float = 0.0  # also save at the first log step this many training minutes after the last
+    compilation_cache_dir: str = ""  # JAX's persistent compilation cache ("": workdir/compilation_cache; "none": off)
 
     def __post_init__(self):
         if self.num_microbatches < 1:
@@ -58,8 +64,9 @@ class TrainConfig:
         for name in ("log_every_steps", "checkpoint_every_steps", "keep_checkpoints"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"train.{name}={getattr(self, name)} must be positive")
-        if self.max_train_minutes < 0:
-            raise ValueError(f"train.max_train_minutes={self.max_train_minutes} must be >= 0")
+        if self.max_train_minutes < 0 or self.checkpoint_every_minutes < 0:
+            raise ValueError(f"train.max_train_minutes={self.max_train_minutes} and train.checkpoint_every_minutes="
+                             f"{self.checkpoint_every_minutes} must be >= 0")
         self.report_marks  # validates the list now
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"train.label_smoothing={self.label_smoothing} must be in [0, 1)")
@@ -117,12 +124,6 @@ class Settings:
                        optimizer=build(OptimizerConfig, "optimizer"), train=build(TrainConfig, "train"),
                        decode=build(decode.DecodeConfig, "decode"), mesh=build(sharding.MeshConfig, "mesh"))
         settings.decode.splits  # validates the split names now, before training
-        if settings.data.rows_per_batch % settings.train.num_microbatches:
-            raise ValueError(f"train.num_microbatches={settings.train.num_microbatches} must divide the "
-                             f"{settings.data.rows_per_batch} rows per batch (data.tokens_per_batch // max_length)")
-        if settings.decode.average_last > settings.train.keep_checkpoints:
-            raise ValueError(f"decode.average_last={settings.decode.average_last} is more than the "
-                             f"train.keep_checkpoints={settings.train.keep_checkpoints} a run keeps")
         if settings.seed < 0:
             raise ValueError(f"config.seed={settings.seed} must be >= 0")
         if model.get("positional_encoding") == "learned" and model.get("max_length", 0) < settings.data.max_length:
@@ -138,9 +139,16 @@ class Settings:
 # Model and state
 
 
+# Tracing a model's construction takes ~1.5 s at the paper's sizes, and start-up needs its graph, its shardings
+# and the state's shapes: each is traced once per model config (and optimizer) and reused.
+@functools.lru_cache(maxsize=16)
+def abstract_model(model_config: ModelConfig) -> nnx.Module:
+    """The model with ShapeDtypeStructs for arrays (read-only: its graph and logical axes)."""
+    return nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0)))
+
+
 def model_graphdef(model_config: ModelConfig) -> nnx.GraphDef:
-    abstract_model = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0)))
-    return nnx.split(abstract_model)[0]
+    return nnx.split(abstract_model(model_config))[0]
 
 
 def init_params(model_config: ModelConfig, key: jax.Array) -> dict:
@@ -157,19 +165,120 @@ def create_train_state(model_config: ModelConfig, optimizer, seed: int, sharding
     return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(seed))
 
 
+@functools.lru_cache(maxsize=16)
+def _abstract_state(model_config: ModelConfig, optimizer) -> TrainState:
+    return jax.eval_shape(lambda: create_train_state(model_config, optimizer, 0))  # shapes do not depend on the seed
+
+
 def abstract_train_state(model_config: ModelConfig, optimizer, seed: int, shardings: Any = None) -> TrainState:
-    abstract = jax.eval_shape(lambda: create_train_state(model_config, optimizer, seed))
+    abstract = _abstract_state(model_config, optimizer)
     return abstract if shardings is None else sharding.with_shardings(abstract, shardings)
 
 
 def state_shardings(model_config: ModelConfig, optimizer, mesh, mesh_config: sharding.MeshConfig) -> TrainState:
-    abstract_model = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0)))
-    return sharding.train_state_shardings(abstract_train_state(model_config, optimizer, 0), abstract_model,
-                                          optimizer, mesh, mesh_config)
+    return sharding.train_state_shardings(abstract_train_state(model_config, optimizer, 0),
+                                          abstract_model(model_config), optimizer, mesh, mesh_config)
 
 
 def count_params(params: dict) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The start-up plan: batch shape, model, shardings. train.py and `scripts/benchmark.py --compile_only` both build
+# it, so the compile-ahead check compiles exactly what a run would.
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+    """A training batch: `rows` packed rows of `row_length` tokens per side, over all processes."""
+
+    rows: int
+    row_length: int
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.row_length
+
+
+def plan_batch(data_config: data.DataConfig, ways: int, recorded: BatchShape | None = None
+               ) -> tuple[BatchShape, str | None]:
+    """The batch a run trains on, and the one log line that says so when it is not the config's own.
+
+    The rows must split into whole rows over `ways` (batch-axis devices x microbatches, and processes). The
+    config's tokens_per_batch // max_length rows are kept when they split; else the nearest multiple of
+    `ways` (ties: the larger, so no step has fewer tokens than asked), keeping the row length, which is the
+    longest pair a run trains on. A resumed run keeps the batch it `recorded`, so its data stream is the same
+    on any device count that splits it."""
+    if recorded is not None:
+        if recorded.rows % ways:
+            raise ValueError(f"this run trains on batches of {recorded.rows} rows of {recorded.row_length} "
+                             f"(recorded in {RUN_FILE}), which cannot be split {ways} ways on this mesh; resume on a "
+                             f"device count whose batch axes (x microbatches) divide {recorded.rows}, or use a new "
+                             "--workdir")
+        return recorded, None
+    asked = BatchShape(data_config.rows_per_batch, data_config.max_length)
+    if asked.rows % ways == 0:
+        return asked, None
+    below = asked.rows // ways * ways
+    rows = below if below and asked.rows - below < below + ways - asked.rows else below + ways
+    shape = BatchShape(rows, asked.row_length)
+    return shape, (f"batch: data.tokens_per_batch={data_config.tokens_per_batch} is {asked.rows} rows of "
+                   f"{asked.row_length}, which do not split {ways} ways (batch-axis devices x microbatches, "
+                   f"processes); training on {rows} rows = {shape.tokens:,} tokens per side per step "
+                   f"({100 * (shape.tokens / asked.tokens - 1):+.1f}%)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything the train and eval steps are built from, before any array exists."""
+
+    mesh: Any
+    batch: BatchShape
+    model_config: ModelConfig
+    optimizer: Any
+    schedule: Any
+    graphdef: nnx.GraphDef
+    state_shardings: TrainState
+    batch_sharding: Any
+
+    def abstract_state(self, seed: int) -> TrainState:
+        return abstract_train_state(self.model_config, self.optimizer, seed, self.state_shardings)
+
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        shapes = data.batch_shapes(self.batch.rows, self.batch.row_length)
+        return {key: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.batch_sharding)
+                for key, x in shapes.items()}
+
+
+def batch_ways(settings: Settings, mesh_shape, processes: int | None = None) -> int:
+    """What the rows of a batch must split by: each microbatch over the batch axes of `mesh_shape` (a Mesh's
+    .shape, or any axis -> size mapping), and over the processes."""
+    processes = jax.process_count() if processes is None else processes
+    return math.lcm(sharding.batch_axis_size(mesh_shape, settings.mesh) * settings.train.num_microbatches, processes)
+
+
+def startup_plan(settings: Settings, recorded: BatchShape | None = None) -> tuple[Plan, str | None]:
+    """The plan train.py builds for `settings` on this machine's devices, with the vocabulary size it would have
+    (data.vocab_path's, else data.vocab_size), before any data is read; and the batch note, if any."""
+    mesh = sharding.make_mesh(settings.mesh)
+    batch, note = plan_batch(settings.data, batch_ways(settings, mesh.shape), recorded)
+    vocab_size = Tokenizer(settings.data.vocab_path).vocab_size if settings.data.vocab_path else settings.data.vocab_size
+    return make_plan(settings, vocab_size, mesh, batch), note
+
+
+@functools.lru_cache(maxsize=16)
+def _optimizer(config: OptimizerConfig, emb_dim: int):
+    """One optimizer object per config, so the traced state shapes cached by (model, optimizer) are reused."""
+    return make_optimizer(config, emb_dim)
+
+
+def make_plan(settings: Settings, vocab_size: int, mesh, batch: BatchShape) -> Plan:
+    model_config = settings.model_config(vocab_size)
+    optimizer, schedule = _optimizer(settings.optimizer, model_config.emb_dim)
+    return Plan(mesh, batch, model_config, optimizer, schedule, model_graphdef(model_config),
+                state_shardings(model_config, optimizer, mesh, settings.mesh),
+                sharding.batch_sharding(mesh, settings.mesh))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -179,27 +288,30 @@ def count_params(params: dict) -> int:
 @dataclasses.dataclass
 class Corpus:
     tokenizer: Tokenizer
-    pairs: dict[str, list[tuple[str, str]]]  # split -> raw (source, target) sentences
+    pairs: dict[str, list[tuple[str, str]]]  # split -> raw (source, target) sentences, read on first use
     examples: dict[str, data.Examples]  # valid -> tokenized, length-filtered for the eval loss
     train_cache: data.TokenCache  # the tokenized train split
     train_kept: np.ndarray  # indices into train_cache of the pairs within max_length
 
 
 def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
-    """Read every split (all input errors surface here, before training), then the tokenizer."""
-    pairs = {split: data.read_split(settings.data, split) for split in splits}
+    """Read the evaluation splits and fingerprint the train split (input errors surface here, before
+    training), then the tokenizer and the train split's token cache. The train split itself is read (once,
+    streamed) only when its vocabulary or its cache must be built: a restart does not read it."""
+    pairs = data.SplitPairs(settings.data)  # the train split's text is read only if decoded (bleu_splits)
     for split in splits:
-        if not pairs[split]:
+        if split != "train" and not pairs[split]:
             raise data.DataError(f"the {split} split has no sentence pairs")
-    if jax.process_count() > 1 and not settings.data.vocab_path:
-        # One process trains the vocabulary into the (shared) workdir; the others read it afterwards.
-        from jax.experimental import multihost_utils
-        if jax.process_index() == 0:
-            data.load_or_train_tokenizer(settings.data, pairs["train"], workdir)
-        multihost_utils.sync_global_devices("vocabulary written")
-    tokenizer = data.load_or_train_tokenizer(settings.data, pairs["train"], workdir)
-    cache = data.load_or_build_token_cache(pairs["train"], tokenizer, workdir, "train",
-                                           num_workers=settings.data.num_workers)
+    with data.split_source(settings.data, "train") as train:  # removes the train split's spill, if one was made
+        if jax.process_count() > 1 and not settings.data.vocab_path:
+            # One process trains the vocabulary into the (shared) workdir; the others read it afterwards.
+            from jax.experimental import multihost_utils
+            if jax.process_index() == 0:
+                data.load_or_train_tokenizer(settings.data, train, workdir)
+            multihost_utils.sync_global_devices("vocabulary written")
+        tokenizer = data.load_or_train_tokenizer(settings.data, train, workdir)
+        cache = data.load_or_build_token_cache(train, tokenizer, workdir, "train",
+                                               num_workers=settings.data.num_workers)
     length_filter = data.LengthFilter.of(cache, settings.data.max_length)
     log.info("train: %d pairs, %d dropped for length > %d tokens", len(length_filter.kept), length_filter.too_long,
              settings.data.max_length)
@@ -284,26 +396,37 @@ class Run:
             log.setLevel("WARNING")
         self.settings = settings = Settings.from_config(config)
         splits = ["train", "valid"] + [s for s in settings.decode.splits if s != "valid"]
-        data.local_rows(settings.data.rows_per_batch, data.Shard.of_process())  # rows split over processes
         if os.path.exists(workdir) and not os.path.isdir(workdir):
             raise NotADirectoryError(f"--workdir={workdir} exists and is not a directory")
-        os.makedirs(workdir, exist_ok=True)
         checkpoint_dir = os.path.join(workdir, "checkpoints")
-        if os.path.isdir(checkpoint_dir) and any(name.isdigit() for name in os.listdir(checkpoint_dir)):
+        resuming = os.path.isdir(checkpoint_dir) and any(name.isdigit() for name in os.listdir(checkpoint_dir))
+        if resuming:
             for change in check_resume_config(load_workdir_config(workdir), config):
                 log.info("resuming with a changed setting: %s", change)
-        self.corpus = load_corpus(settings, workdir, splits)
-        self.model_config = settings.model_config(self.corpus.tokenizer.vocab_size)
-        self.optimizer, self.schedule = make_optimizer(settings.optimizer, self.model_config.emb_dim)
-        self.graphdef = model_graphdef(self.model_config)
+        # The mesh and the batch are settled before any data work, so a batch that cannot split fails at once.
         self.mesh = sharding.make_mesh(settings.mesh)
-        sharding.check_batch_divisible(settings.data.rows_per_batch // settings.train.num_microbatches, self.mesh,
-                                       settings.mesh, "data.tokens_per_batch / train.num_microbatches")
-        self.state_shardings = state_shardings(self.model_config, self.optimizer, self.mesh, settings.mesh)
-        self.batch_sharding = sharding.batch_sharding(self.mesh, settings.mesh)
+        self.batch, note = plan_batch(settings.data, batch_ways(settings, self.mesh.shape),
+                                      recorded_batch(workdir) if resuming else None)
+        if note:
+            log.warning("%s", note)
+        os.makedirs(workdir, exist_ok=True)
+        use_compilation_cache(settings.train.compilation_cache_dir, workdir)
+        self.corpus = load_corpus(settings, workdir, splits)
+        plan = make_plan(settings, self.corpus.tokenizer.vocab_size, self.mesh, self.batch)
+        self.model_config, self.optimizer, self.schedule = plan.model_config, plan.optimizer, plan.schedule
+        self.graphdef, self.state_shardings, self.batch_sharding = (plan.graphdef, plan.state_shardings,
+                                                                    plan.batch_sharding)
+        self.plan = plan
         self.checkpointer = Checkpointer(checkpoint_dir, save_every_steps=settings.train.checkpoint_every_steps,
                                          keep=settings.train.keep_checkpoints,
                                          use_async=settings.train.async_checkpointing)
+        # Averaging reads parameters only, so the last average_last checkpoints keep a params snapshot each
+        # rather than needing that many full train states on disk.
+        self.snapshots = None
+        if settings.decode.average_last > 1:
+            self.snapshots = Checkpointer(os.path.join(workdir, PARAMS_DIR), save_every_steps=1,
+                                          keep=settings.decode.average_last,
+                                          use_async=settings.train.async_checkpointing)
         self.data_state: bytes | None = None  # the data iterator's state in the restored checkpoint
         self.state = self._restore_or_init()
         self.best_checkpointer = None
@@ -314,6 +437,7 @@ class Run:
         if self.is_writer:
             with open(os.path.join(workdir, CONFIG_FILE), "w", encoding="utf-8") as handle:
                 handle.write(config.to_json(indent=2))
+            record_start(workdir, self.batch, self.mesh, settings)
 
     def _restore_or_init(self) -> TrainState:
         latest = self.checkpointer.latest_step()
@@ -328,12 +452,12 @@ class Run:
 
     def compile(self) -> tuple[Any, Any, float]:
         """The jitted train and eval steps, compiled once on the real shapes; returns the compile seconds."""
-        batch = data.batch_shapes(self.settings.data.rows_per_batch, self.settings.data.max_length)
+        batch = self.plan.abstract_batch()
         train, evaluate = make_steps(self.graphdef, self.optimizer, self.schedule, self.settings.train,
                                      self.state_shardings, self.batch_sharding)
         start = time.perf_counter()
-        train = train.lower(abstract_like(self.state), abstract_like(batch)).compile()
-        evaluate = evaluate.lower(abstract_like(self.state.params), abstract_like(batch)).compile()
+        train = train.lower(abstract_like(self.state), batch).compile()
+        evaluate = evaluate.lower(abstract_like(self.state.params), batch).compile()
         return train, evaluate, time.perf_counter() - start
 
     def search_fn(self):
@@ -341,7 +465,7 @@ class Run:
 
     def evaluate_loss(self, evaluate) -> dict[str, float]:
         batches = data.eval_batches(self.corpus.examples["valid"], max_length=self.settings.data.max_length,
-                                    rows_per_batch=self.settings.data.rows_per_batch)
+                                    rows_per_batch=self.batch.rows)
         outputs = [evaluate(self.state.params, sharding.place_batch(batch, self.batch_sharding)) for batch in batches]
         summary = summarize(jax.device_get(outputs))
         return {key: summary[key] for key in ("loss", "accuracy", "perplexity", "target_tokens")}
@@ -367,7 +491,7 @@ class Run:
         start_step = int(self.state.step)
         params = count_params(self.state.params)
         log.info("model: %s parameters; vocab %d; %d rows x %d tokens per batch", f"{params:,}",
-                     self.model_config.vocab_size, settings.data.rows_per_batch, settings.data.max_length)
+                     self.model_config.vocab_size, self.batch.rows, self.batch.row_length)
         log.info("mesh %s over %d devices (%s) in %d processes", dict(self.mesh.shape), jax.device_count(),
                  jax.devices()[0].device_kind, jax.process_count())
         train, evaluate, compile_seconds = self.compile()
@@ -379,7 +503,7 @@ class Run:
         writer = metrics.MetricWriter(self.workdir, enabled=self.is_writer, resume_step=start_step)
         progress = metrics.Progress(train_config.num_train_steps, start_step)
         search = self.search_fn()
-        pending, last_time, last_step = [], time.perf_counter(), start_step
+        pending, last_time, last_step, input_seconds = [], time.perf_counter(), start_step, 0.0
         self.train_seconds = previous_train_seconds(self.workdir, start_step)  # read by _report_bleu
         budget_seconds = train_config.max_train_minutes * 60 or float("inf")
         # The marks an earlier part of this run scored are in workdir/reports.json; a mark it passed without
@@ -393,8 +517,10 @@ class Run:
         # The decay begins at the last fraction of num_train_steps or, under a budget, at (1 - fraction) of the
         # budget, whichever comes first; it is only stored once begun, so num_train_steps may change before.
         steps_start = train_config.num_train_steps - max(round(fraction * train_config.num_train_steps), 1) + 1
-        timed = budget_seconds < float("inf") or bool(marks)  # decisions on the clock: process 0's, everywhere
+        timed = budget_seconds < float("inf") or bool(marks) or train_config.checkpoint_every_minutes > 0
+        # ^ decisions on the clock: process 0's, everywhere
         self.train_seconds = agreed_seconds(self.train_seconds, timed)
+        self.saved_at = self.train_seconds  # the training seconds at the last save (checkpoint_every_minutes)
         part_start = (start_step, self.train_seconds)  # this part's pace projects a timed decay's end
         final_step = train_config.num_train_steps
         if self.cooldown_window:
@@ -405,7 +531,9 @@ class Run:
         for step in range(start_step + 1, final_step + 1):
             if fraction and self.cooldown_window is None and step >= steps_start:
                 self._begin_cooldown(step, train_config.num_train_steps, progress)
+            waited = time.perf_counter()
             batch, data_state = next(batches)
+            input_seconds += time.perf_counter() - waited
             self.state, step_metrics = train(self.state, batch)
             pending.append(step_metrics)
             # Also at checkpoint steps: a non-finite state must stop the run before it is saved.
@@ -420,6 +548,8 @@ class Run:
                 steps_left = (budget_seconds - self.train_seconds) / max(step_seconds, 1e-9)
                 budget_check = step + int(steps_left) if steps_left < train_config.log_every_steps else None
                 summary["train_seconds"] = self.train_seconds  # training only: no compilation or evaluation
+                # The share of the interval the loop spent getting the next batch: near 1, the run is input-bound.
+                summary["input_wait_fraction"] = input_seconds / max(now - last_time, 1e-9)
                 summary.update(throughput_metrics(summary, self.model_config, now - last_time, step - last_step,
                                                   peak_flops))
                 if not np.isfinite(summary["loss"]):
@@ -434,25 +564,28 @@ class Run:
                                f"{summary['tokens_per_second']:.0f} target tokens/s "
                                f"({summary['all_tokens_per_second']:.0f} with source), "
                                f"MFU {summary.get('mfu', float('nan')):.3f}, ETA {eta:.0f}s")
-                pending, last_time, last_step = [], time.perf_counter(), step
+                pending, last_time, last_step, input_seconds = [], time.perf_counter(), step, 0.0
                 if steps_left < 1:  # spent, or the next step would pass it
                     progress.write(f"step {step}: the time budget of train.max_train_minutes="
                                    f"{train_config.max_train_minutes:g} is spent ({self.train_seconds:.0f}s of training"
                                    f"{'' if steps_left <= 0 else ', less than a step of it left'})")
-                    self.checkpointer.save(step, self.state, data_state=data_state, force=True)
+                    self.save_checkpoint(step, data_state, force=True)
                     break
                 if self.cooldown_window and step >= self.cooldown_window[1] and step < final_step:
                     progress.write(f"step {step}: the cooldown (optimizer.cooldown_fraction={fraction:g}) is "
                                    f"done ({self.train_seconds:.0f}s of training)")
-                    self.checkpointer.save(step, self.state, data_state=data_state, force=True)
+                    self.save_checkpoint(step, data_state, force=True)
                     break
+                if train_config.checkpoint_every_minutes and \
+                        self.train_seconds - self.saved_at >= train_config.checkpoint_every_minutes * 60:
+                    self.save_checkpoint(step, data_state, force=True)  # by time, as the paper's every 10 minutes
                 if fraction and self.train_seconds >= (1 - fraction) * budget_seconds \
                         and self.cooldown_window is None:
                     pace = (step - part_start[0]) / max(self.train_seconds - part_start[1], 1e-9)  # steps/s
                     end = min(step + int((budget_seconds - self.train_seconds) * pace), train_config.num_train_steps)
                     self._begin_cooldown(step + 1, end, progress)
                 if marks and self.train_seconds >= marks[0] * 60:
-                    self.checkpointer.save(step, self.state, data_state=data_state, force=True)
+                    self.save_checkpoint(step, data_state, force=True)
                     paused = time.perf_counter()
                     progress.write(f"step {step}: train.report_minutes mark reached after "
                                    f"{self.train_seconds:.0f}s of training")
@@ -468,15 +601,14 @@ class Run:
                 if train_config.bleu_every_steps and step % train_config.bleu_every_steps == 0:
                     self._report_bleu(search, ["valid"], writer, progress)
                 last_time += time.perf_counter() - paused  # evaluation does not count as training time
-            self.checkpointer.save(step, self.state, data_state=data_state)
+            self.save_checkpoint(step, data_state)
         progress.close()
         if hasattr(iterator, "close"):
             iterator.close()  # stops grain's worker processes
         result = {"step": int(self.state.step), "compile_seconds": compile_seconds,
                   "train_seconds": self.train_seconds}
         if int(self.state.step) not in self.checkpointer.all_steps():
-            self.checkpointer.save(int(self.state.step), self.state, data_state=data_state or self.data_state,
-                                   force=True)
+            self.save_checkpoint(int(self.state.step), data_state or self.data_state, force=True)
         result["valid"] = self._report_loss(evaluate, writer, progress)
         final = self._score_final_params(search, writer, progress)
         if final["averaged_steps"]:
@@ -488,11 +620,10 @@ class Run:
         if reports:
             result["reports"] = reports
             self._write_reports(reports)
-        self.checkpointer.wait()
-        self.checkpointer.close()
-        if self.best_checkpointer is not None:
-            self.best_checkpointer.wait()
-            self.best_checkpointer.close()
+        for checkpointer in (self.checkpointer, self.snapshots, self.best_checkpointer):
+            if checkpointer is not None:
+                checkpointer.wait()
+                checkpointer.close()
         writer.close()
         if self.is_writer:
             with open(os.path.join(self.workdir, "scores.json"), "w", encoding="utf-8") as handle:
@@ -506,16 +637,27 @@ class Run:
                        f"1/{end - start + 1} of the schedule (optimizer.cooldown_fraction="
                        f"{self.settings.optimizer.cooldown_fraction:g})")
 
+    def save_checkpoint(self, step: int, data_state: bytes | None, force: bool = False) -> None:
+        """The train state (and data state) at checkpoint steps, with a params snapshot when averaging needs one."""
+        if not self.checkpointer.save(step, self.state, data_state=data_state, force=force):
+            return
+        self.saved_at = self.train_seconds
+        if self.snapshots:
+            self.snapshots.save(step, {"params": self.state.params}, force=True)
+
     def final_params(self) -> tuple[dict, list[int]]:
         """The parameters the end of the run scores: with decode.average_last > 1, the mean of the last
-        checkpoints (the paper's averaging), else the final ones."""
-        self.checkpointer.wait()
-        steps = self.checkpointer.all_steps()[-self.settings.decode.average_last:]
-        if self.settings.decode.average_last <= 1 or len(steps) < 2:
+        params snapshots (the paper's averaging), summed on the devices in the training shardings; else the
+        final ones."""
+        if self.snapshots is None:
             return self.state.params, []
-        abstract = abstract_train_state(self.model_config, self.optimizer, self.settings.seed, self.state_shardings)
+        self.snapshots.wait()
+        steps = self.snapshots.all_steps()[-self.settings.decode.average_last:]
+        if len(steps) < 2:
+            return self.state.params, []
+        abstract = sharding.with_shardings(abstract_like(self.state.params), self.state_shardings.params)
         log.info("averaging the parameters of the checkpoints of steps %s", steps)
-        return self.checkpointer.average(abstract, steps).params, steps
+        return self.snapshots.average_params(abstract, steps), steps
 
     def _score_final_params(self, search, writer, progress) -> dict[str, Any]:
         """What the end of the run reports, also at each train.report_minutes mark: the mean of the last
@@ -537,7 +679,7 @@ class Run:
         settings = self.settings.data
         iterator = iter(data.train_dataset(
             self.corpus.train_cache, self.corpus.train_kept, seed=self.settings.seed, max_length=settings.max_length,
-            rows_per_batch=settings.rows_per_batch, shard=data.Shard.of_process(), num_workers=settings.num_workers))
+            rows_per_batch=self.batch.rows, shard=data.Shard.of_process(), num_workers=settings.num_workers))
         if self.data_state is not None:
             data.restore_iterator(iterator, self.data_state)
         elif start_step:  # a checkpoint written before the data state was saved: the stream is deterministic
@@ -560,7 +702,8 @@ class Run:
         # Only the dev set chooses checkpoints; the test set never does.
         if self.best_checkpointer is not None and "valid" in scores and not prefix \
                 and step not in self.best_checkpointer.all_steps():
-            self.best_checkpointer.save(step, self.state, force=True, metrics={"valid_bleu": scores["valid"]["bleu"]})
+            self.best_checkpointer.save(step, {"params": self.state.params}, force=True,
+                                        metrics={"valid_bleu": scores["valid"]["bleu"]})
         for split, score in scores.items():
             writer.write(step, {"bleu": score["bleu"], "decode_seconds": score["decode_seconds"],
                                 "train_seconds": self.train_seconds}, f"{prefix}{split}_bleu")
@@ -578,7 +721,7 @@ RESUMABLE_CHANGES = ("train.num_train_steps", "train.log_every_steps", "train.ev
                      "train.bleu_every_steps", "train.checkpoint_every_steps", "train.keep_checkpoints",
                      "train.async_checkpointing", "decode.", "mesh.", "train.num_microbatches",
                      "train.keep_best_checkpoint", "train.max_train_minutes", "train.report_minutes",
-                     "train.dropout_rng")  # the masks change from the resumed step on, as with num_microbatches
+                     "train.dropout_rng", "train.checkpoint_every_minutes", "train.compilation_cache_dir")  # the masks change from the resumed step on, as with num_microbatches
 # Keys a workdir's config.json may lack, with the value such a run actually used where it differs from today's
 # default (field_default): dropout masks came from threefry before train.dropout_rng existed.
 LEGACY_DEFAULTS = {"train.dropout_rng": "threefry2x32"}
@@ -591,6 +734,73 @@ def agreed_seconds(seconds: float, timed: bool) -> float:
         return seconds
     from jax.experimental import multihost_utils
     return float(multihost_utils.broadcast_one_to_all(np.float32(seconds)))
+
+
+def read_run_file(workdir: str) -> dict[str, Any]:
+    path = os.path.join(workdir, RUN_FILE)
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def recorded_batch(workdir: str) -> BatchShape | None:
+    """The batch shape the run in `workdir` trains on; None for a workdir written before it was recorded (such a
+    run keeps the config's own rows, as it had then)."""
+    batch = read_run_file(workdir).get("batch")
+    return BatchShape(int(batch["rows"]), int(batch["row_length"])) if batch else None
+
+
+def provenance(batch: BatchShape, mesh, settings: Settings) -> dict[str, Any]:
+    """What a researcher needs days later to know what ran: code, packages, devices, mesh, tokens per step."""
+    import importlib.metadata
+    import platform
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                                    capture_output=True, text=True, timeout=10).stdout.strip()) if commit else None
+    except (OSError, subprocess.SubprocessError):  # no git, or not a checkout (an installed package)
+        commit, dirty = None, None
+    versions = {}
+    for package in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy", "sentencepiece",
+                    "sacrebleu", "tensorflow-datasets", "transformer"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {"time": now, "command": sys.argv,
+            "host": platform.node(), "commit": commit, "uncommitted_changes": dirty, "python": sys.version.split()[0],
+            "packages": versions, "device_kind": jax.devices()[0].device_kind, "devices": jax.device_count(),
+            "processes": jax.process_count(), "mesh": dict(mesh.shape),
+            "microbatches": settings.train.num_microbatches, "rows": batch.rows, "row_length": batch.row_length,
+            "tokens_per_step": batch.tokens}
+
+
+def record_start(workdir: str, batch: BatchShape, mesh, settings: Settings) -> None:
+    """run.json: the batch shape (once, so a resume keeps the data stream) and every start's provenance,
+    written whole and renamed into place so a kill leaves the old file or the new one."""
+    record = read_run_file(workdir)
+    record.setdefault("batch", {"rows": batch.rows, "row_length": batch.row_length})
+    record.setdefault("starts", []).append(provenance(batch, mesh, settings))
+    path = os.path.join(workdir, RUN_FILE)
+    with open(f"{path}.tmp", "w", encoding="utf-8") as handle:
+        json.dump(record, handle, indent=2)
+    os.replace(f"{path}.tmp", path)
+
+
+def use_compilation_cache(directory: str, workdir: str) -> None:
+    """JAX's persistent compilation cache, so that a restarted run loads its compiled steps instead of compiling
+    them again: train.compilation_cache_dir, by default workdir/compilation_cache; "none" turns it off. A cache
+    the environment already chose (JAX_COMPILATION_CACHE_DIR) is left as it is."""
+    if directory == "none" or jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", directory or os.path.join(workdir, "compilation_cache"))
 
 
 def read_reports(workdir: str) -> dict[str, Any]:
@@ -669,6 +879,8 @@ class Restored:
     step: int
     averaged_steps: list[int] = dataclasses.field(default_factory=list)  # the steps whose params were averaged
     best: bool = False  # restored from best_checkpoint/
+    mesh: Any = None  # the params' mesh
+    batch_sharding: Any = None  # rows of a batch split over that mesh's batch axes (decoding splits over them)
 
     @property
     def name(self) -> str:
@@ -685,37 +897,53 @@ def restore(workdir: str, step: int | None = None, *, average_last: int = 0, bes
             decode_overrides: dict[str, Any] | None = None) -> Restored:
     """The config, tokenizer and parameters of `workdir` at `step` (default: the latest checkpoint), or the
     mean of the parameters of the last `average_last` checkpoints up to `step`, or (best) the checkpoint of
-    the best dev BLEU. decode_overrides replace fields of the saved decode config (e.g. beam_size)."""
+    the best dev BLEU. Only parameters are read, into the run's own mesh where this machine's devices can hold
+    it (else data parallel). decode_overrides replace fields of the saved decode config (e.g. beam_size)."""
     config = load_workdir_config(workdir)
     if decode_overrides:
         config.decode.update({key: value for key, value in decode_overrides.items() if value is not None})
     settings = Settings.from_config(config)
-    directory = os.path.join(workdir, BEST_CHECKPOINT_DIR if best else "checkpoints")
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"no checkpoint in {workdir}: {directory} does not exist" + (
+    names = [BEST_CHECKPOINT_DIR] if best else ["checkpoints", PARAMS_DIR]
+    directories = [os.path.join(workdir, name) for name in names if os.path.isdir(os.path.join(workdir, name))]
+    if not directories:
+        raise FileNotFoundError(f"no checkpoint in {workdir}: {os.path.join(workdir, names[0])} does not exist" + (
             " (train with --config.train.keep_best_checkpoint=true to keep one)" if best else ""))
-    checkpointer = Checkpointer(directory, save_every_steps=1, keep=1, use_async=False, read_only=True)
+    checkpointers = [Checkpointer(d, save_every_steps=1, keep=1, use_async=False, read_only=True)
+                     for d in directories]
     try:
-        steps = checkpointer.all_steps()
+        holder = {s: c for c in reversed(checkpointers) for s in c.all_steps()}  # full states win a tie
+        steps = sorted(holder)
+        where = " or ".join(c.directory for c in checkpointers)
         if not steps:
-            raise FileNotFoundError(f"no checkpoint in {checkpointer.directory}")
+            raise FileNotFoundError(f"no checkpoint in {where}")
         step = steps[-1] if step is None else step
         if step not in steps:
-            raise FileNotFoundError(f"no checkpoint for step {step} in {checkpointer.directory}; found {steps}")
+            raise FileNotFoundError(f"no checkpoint for step {step} in {where}; found {steps}")
         averaged = [s for s in steps if s <= step][-average_last:] if average_last > 1 else [step]
         if len(averaged) < average_last:
             raise ValueError(f"asked to average the last {average_last} checkpoints up to step {step}, but "
-                             f"{checkpointer.directory} holds only {len(averaged)} (steps {averaged}); the run kept "
-                             f"train.keep_checkpoints={settings.train.keep_checkpoints}")
+                             f"{where} holds only {len(averaged)} (steps {averaged}); the run kept "
+                             f"decode.average_last={settings.decode.average_last} params snapshots and "
+                             f"train.keep_checkpoints={settings.train.keep_checkpoints} train states")
         tokenizer = Tokenizer(settings.data.vocab_path or os.path.join(workdir, "vocab.model"))
         model_config = settings.model_config(tokenizer.vocab_size)
+        mesh_config, mesh = eval_mesh(settings.mesh)
         optimizer, _ = make_optimizer(settings.optimizer, model_config.emb_dim)
-        # Into this machine's devices (data parallel), whatever mesh and process count wrote the checkpoint.
-        mesh_config = sharding.MeshConfig(rules=settings.mesh.rules)
-        shardings = state_shardings(model_config, optimizer, sharding.make_mesh(mesh_config), mesh_config)
-        abstract = abstract_train_state(model_config, optimizer, settings.seed, shardings)
-        state = checkpointer.average(abstract, averaged) if len(averaged) > 1 else checkpointer.restore(abstract, step)
+        shardings = state_shardings(model_config, optimizer, mesh, mesh_config).params
+        abstract = sharding.with_shardings(abstract_train_state(model_config, optimizer, settings.seed).params,
+                                           shardings)
+        params = checkpoint.average_params([(holder[s], s) for s in averaged], abstract)
     finally:
-        checkpointer.close()
-    return Restored(settings, model_config, model_graphdef(model_config), state.params, tokenizer, step,
-                    averaged if len(averaged) > 1 else [], best)
+        for checkpointer in checkpointers:
+            checkpointer.close()
+    return Restored(settings, model_config, model_graphdef(model_config), params, tokenizer, step,
+                    averaged if len(averaged) > 1 else [], best, mesh, sharding.batch_sharding(mesh, mesh_config))
+
+
+def eval_mesh(mesh_config: sharding.MeshConfig) -> tuple[sharding.MeshConfig, Any]:
+    """The run's own mesh on this machine's devices when it fits them, else data parallel over them all."""
+    try:
+        return mesh_config, sharding.make_mesh(mesh_config)
+    except ValueError:
+        fallback = sharding.MeshConfig(rules=mesh_config.rules)
+        return fallback, sharding.make_mesh(fallback)

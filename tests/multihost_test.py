@@ -1,0 +1,64 @@
+"""A multi-host run on localhost, as a pod would run it: 4 processes x 2 fake CPU devices (jax.distributed over
+gloo), mesh fsdp=4 x data=2, train and checkpoint, stop; resume as 2 processes x 4 devices, finish, average the
+last 3 checkpoints, decode and score. The parameters and the BLEU equal those of the same run in one process of
+8 devices, uninterrupted."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from multiprocess_test import free_port
+from tiny import TINY_OVERRIDES
+
+from transformer import trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OVERRIDES = {**TINY_OVERRIDES, "train.num_train_steps": 12, "train.log_every_steps": 3,
+             "train.eval_every_steps": 0, "train.checkpoint_every_steps": 3, "train.keep_checkpoints": 2,
+             "decode.average_last": 3, "decode.bleu_splits": "valid", "model.dropout_rate": 0.1,
+             "mesh.data": 2, "mesh.fsdp": 4}
+
+
+def run(workdir, processes, devices, steps):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    command = [sys.executable, os.path.join(ROOT, "train.py"), f"--workdir={workdir}",
+               *[f"--config.{key}={value}" for key, value in {**OVERRIDES, "train.num_train_steps": steps}.items()]]
+    if processes == 1:
+        result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout
+    address = f"localhost:{free_port()}"
+    started = [subprocess.Popen(command + [f"--coordinator_address={address}", f"--num_processes={processes}",
+                                           f"--process_id={index}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=ROOT, env=env) for index in range(processes)]
+    outputs = [process.communicate(timeout=900) for process in started]
+    for process, (_, stderr) in zip(started, outputs):
+        assert process.returncode == 0, stderr[-3000:]
+    return outputs[0][0]
+
+
+@pytest.mark.slow  # four train.py runs (7 processes), each compiling and decoding: minutes on 2 cores
+def test_four_hosts_stopped_and_resumed_on_two_end_like_one_process(tmp_path):
+    run(tmp_path / "one", 1, 8, 12)
+    run(tmp_path / "hosts", 4, 2, 6)  # stopped after its 6th step (it ends and scores as any run does)
+    starts = json.loads((tmp_path / "hosts" / "run.json").read_text())["starts"]
+    assert [(s["processes"], s["devices"]) for s in starts] == [(4, 8)]
+    output = run(tmp_path / "hosts", 2, 4, 12)
+    assert "resumed from" in output and "averaging the parameters of the checkpoints of steps [6, 9, 12]" in output
+    starts = json.loads((tmp_path / "hosts" / "run.json").read_text())["starts"]
+    assert [(s["processes"], s["devices"], s["mesh"]["fsdp"]) for s in starts] == [(4, 8, 4), (2, 8, 4)]
+
+    one = json.loads((tmp_path / "one" / "scores.json").read_text())
+    hosts = json.loads((tmp_path / "hosts" / "scores.json").read_text())
+    assert hosts["averaged_steps"] == one["averaged_steps"] == [6, 9, 12]
+    assert hosts["bleu"]["valid"]["bleu"] == one["bleu"]["valid"]["bleu"]
+    a = trainer.restore(str(tmp_path / "one"), average_last=3).params
+    b = trainer.restore(str(tmp_path / "hosts"), average_last=3).params
+    worst = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a),
+                                                                                   jax.tree.leaves(b)))
+    print(f"largest parameter difference, 4+2 hosts against one process: {worst:.3g}")
+    assert worst <= 1e-5

@@ -1,0 +1,84 @@
+"""Every shipped config starts where researchers launch it: the batch plan at 1-256 devices and 1-32 hosts
+(pure arithmetic), and train.py's start-up path, up to the traced train step, on 8 and 64 fake CPU devices for
+every config and the README's meshes (a subprocess each: XLA_FLAGS must be set before JAX starts)."""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from transformer import sharding, trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAPER_CONFIGS = ("base", "big")
+
+
+def settings_of(name, **mesh):
+    config = importlib.import_module(f"configs.{name}").get_config()
+    config.mesh.update({"data": 1, "fsdp": 1, "tensor": 1, **mesh})
+    return trainer.Settings.from_config(config)
+
+
+@pytest.mark.parametrize("name", PAPER_CONFIGS)
+def test_the_paper_configs_keep_about_25k_tokens_wherever_whole_rows_allow(name):
+    settings = settings_of(name)
+    asked = trainer.BatchShape(settings.data.rows_per_batch, settings.data.max_length)
+    for devices in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        for hosts in (1, 2, 4, 8, 16, 32):
+            if hosts > devices:
+                continue
+            for mesh in (dict(data=-1), dict(data=1, fsdp=-1), dict(data=1, fsdp=-1, tensor=2)):
+                if devices % (2 if "tensor" in mesh else 1):
+                    continue
+                shape = dict(zip(sharding.MESH_AXES,
+                                 sharding.mesh_shape(settings_of(name, **mesh).mesh.sizes, devices)))
+                ways = trainer.batch_ways(settings_of(name, **mesh), shape, processes=hosts)
+                batch, note = trainer.plan_batch(settings.data, ways)
+                assert batch.rows % ways == 0 and batch.row_length == asked.row_length
+                assert (note is None) == (batch == asked)  # a changed budget is always said
+                if ways <= 32:  # 96 rows split whole: the paper's ~25k tokens a side, unchanged
+                    assert batch == asked and 24_000 <= batch.tokens <= 26_000
+                else:
+                    assert f"training on {batch.rows} rows" in note and batch.rows == ways * -(-asked.rows // ways)
+
+
+def test_the_batch_plan_takes_the_nearest_multiple_and_a_resume_keeps_its_recorded_batch():
+    settings = settings_of("default")  # 2048 tokens of 64: 32 rows
+    assert trainer.plan_batch(settings.data, 8) == (trainer.BatchShape(32, 64), None)
+    batch, note = trainer.plan_batch(settings.data, 12)
+    assert batch == trainer.BatchShape(36, 64) and "+12.5%" in note  # 36 is nearer 32 than 24
+    assert trainer.plan_batch(settings.data, 64)[0].rows == 64  # at least one row per way
+    recorded = trainer.BatchShape(40, 64)
+    assert trainer.plan_batch(settings.data, 8, recorded) == (recorded, None)
+    with pytest.raises(ValueError, match=r"40 rows of 64 \(recorded in run.json\), which cannot be split 16 ways"):
+        trainer.plan_batch(settings.data, 16, recorded)
+
+
+def start_up(devices):
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "startup_worker.py")], capture_output=True,
+                            text=True, cwd=ROOT, env=env, timeout=900)
+    assert result.returncode == 0, result.stderr[-5000:]
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("devices", [8, 64])
+def test_every_config_starts_on_the_readme_meshes(devices):
+    records = start_up(devices)
+    configs = {r["config"] for r in records}
+    assert {"default", "base", "big"} <= configs and len(records) == 3 * len(configs)
+    for record in records:
+        ways = record["mesh_shape"]["data"] * record["mesh_shape"]["fsdp"]
+        assert record["rows"] % ways == 0 and record["local_rows"] * ways == record["rows"], record
+        assert (record["note"] is None) == (record["rows"] == record["asked_rows"]), record
+        assert record["params_split"] == (record["mesh"] != "data"), record  # fsdp / tensor split the parameters
+        if record["mesh"] == "fsdp_tensor":
+            assert record["step_traced"], record
+    paper = [r for r in records if r["config"] in PAPER_CONFIGS]
+    if devices == 8:
+        assert all(r["tokens"] == 96 * 256 and r["note"] is None for r in paper)
+    else:  # 64 batch ways cannot split 96 rows: 128, said in the note; fsdp 32 x tensor 2 splits 96 whole
+        assert {(r["mesh"], r["rows"]) for r in paper} == {("data", 128), ("fsdp", 128), ("fsdp_tensor", 96)}
