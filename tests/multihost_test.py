@@ -32,13 +32,20 @@ def run(workdir, processes, devices, steps):
         assert result.returncode == 0, result.stderr[-3000:]
         return result.stdout
     address = f"localhost:{free_port()}"
+    logs = [open(f"{workdir}.{processes}x{devices}.process{index}.log", "w+") for index in range(processes)]
+    # Files, not pipes: a process whose pipe fills while another is read would block before the shutdown barrier.
     started = [subprocess.Popen(command + [f"--coordinator_address={address}", f"--num_processes={processes}",
-                                           f"--process_id={index}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, cwd=ROOT, env=env) for index in range(processes)]
-    outputs = [process.communicate(timeout=900) for process in started]
-    for process, (_, stderr) in zip(started, outputs):
-        assert process.returncode == 0, stderr[-3000:]
-    return outputs[0][0]
+                                           f"--process_id={index}"], stdout=log, stderr=subprocess.STDOUT,
+                                text=True, cwd=ROOT, env=env) for index, log in enumerate(logs)]
+    codes = [process.wait(timeout=900) for process in started]
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    for code, output in zip(codes, outputs):
+        assert code == 0, output[-3000:]
+    return outputs[0]
 
 
 @pytest.mark.slow  # four train.py runs (7 processes), each compiling and decoding: minutes on 2 cores

@@ -93,11 +93,16 @@ class Checkpointer:
         best = {} if best_metric is None else dict(
             best_fn=lambda metrics: metrics[best_metric], best_mode="max", keep_checkpoints_without_metrics=False)
         # The interval is ours to apply (orbax's policy would also save the very first step of a run).
+        # Orbax names its cross-process barriers by step: managers saving the same step at once (train states and
+        # params snapshots) would share a barrier across processes unless each has its own prefix.
+        barriers = ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=os.path.basename(self.directory))
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=use_async,
-                                               create=not read_only, read_only=read_only, **best)
+                                               create=not read_only, read_only=read_only,
+                                               multiprocessing_options=barriers, **best)
         # Naming the handler lets a fresh manager read an existing checkpoint's metadata (for the shape check).
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
             STATE_ITEM: ocp.StandardCheckpointHandler(), DATA_ITEM: grain.checkpoint.CheckpointHandler()})
+        self.last_saved = self.manager.latest_step()  # the newest committed step when this run started
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -146,12 +151,16 @@ class Checkpointer:
         `data_state`: the data iterator's state after the batch of `step` (see IteratorState)."""
         if not force and step % self.save_every_steps:
             return False
-        if step == self.manager.latest_step():  # already saved by a forced save (a train.report_minutes mark)
+        # Already saved (a forced save, e.g. a train.report_minutes mark, or the end): decided on what this object
+        # saved, not on the disk, which processes may see at different moments while an async save commits.
+        if step == self.last_saved:
             return False
         items = {STATE_ITEM: ocp.args.StandardSave(state)}
         if data_state is not None:
             items[DATA_ITEM] = grain.checkpoint.CheckpointSave(IteratorState(data_state))
-        return self.manager.save(step, args=ocp.args.Composite(**items), force=True, metrics=metrics)
+        saved = self.manager.save(step, args=ocp.args.Composite(**items), force=True, metrics=metrics)
+        self.last_saved = step if saved else self.last_saved
+        return saved
 
     def restore_params(self, abstract_params: PyTree, step: int) -> PyTree:
         """Only the parameters of `step`, into the shapes and shardings of `abstract_params`: a partial restore
