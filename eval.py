@@ -1,16 +1,21 @@
 """Evaluate a trained workdir: restore the latest (or --step) checkpoint, or the average of the last N, or
-the best on the dev set; decode with the config's search (or --beam_size/--alpha); write; score.
+the best on the dev set; decode with the config's search (or --beam_size/--alpha/...); write; score.
 
     python eval.py --workdir=runs/demo                       # the valid and test splits of the run's data
     python eval.py --workdir=runs/demo --split=test --step=2000
     python eval.py --workdir=runs/base --average_last=5 --beam_size=4 --alpha=0.6   # the paper's method
     python eval.py --workdir=runs/demo --input=src.txt --reference=ref.txt --output=hyp.txt
+    python eval.py --workdir=runs/base --split=valid --nbest=4 --length_penalty=fairseq --alpha=1.0
+
+Every decoding flag left unset takes the workdir config's decode value, as in `python -m transformer.translate`.
+Decoding splits each batch over every device (transformer/decode.py).
 """
 
 import json
 import os
 import time
 
+import jax
 from absl import app, flags, logging
 
 from transformer import data, decode, metrics, sources, trainer
@@ -21,12 +26,19 @@ flags.DEFINE_list("split", ["valid", "test"], "Splits of the run's own data to d
 flags.DEFINE_string("input", None, "A text file of source sentences to translate instead of the splits.")
 flags.DEFINE_string("reference", None, "With --input: a line-aligned file of references to score against.")
 flags.DEFINE_string("output", None, "With --input: where to write the translations (default: workdir/eval/).")
-flags.DEFINE_integer("batch_size", None, "Sentences per decoding batch (default: the config's).")
+flags.DEFINE_integer("batch_size", None, "Sentences per decoding batch, rounded up to whole rows per device "
+                     "(default: the config's decode.batch_size).")
 flags.DEFINE_integer("average_last", None, "Average the parameters of the last N checkpoints up to --step "
-                     "(default: the config's decode.average_last; 0 or 1: no averaging).")
+                     "(default: the config's decode.average_last, none with --best; 0 or 1: no averaging).")
 flags.DEFINE_bool("best", False, "Restore the checkpoint of the best dev BLEU (workdir/best_checkpoint).")
 flags.DEFINE_integer("beam_size", None, "Beam size (default: the config's decode.beam_size; 1 = greedy).")
 flags.DEFINE_float("alpha", None, "Length penalty alpha of beam search (default: the config's decode.alpha).")
+flags.DEFINE_enum("length_penalty", None, list(decode.PENALTIES), "gnmt: ((5 + length) / 6)^alpha; fairseq: "
+                  "length^alpha (default: the config's decode.length_penalty).")
+flags.DEFINE_integer("max_extra_length", None, "Outputs may have up to input length + this many tokens "
+                     "(default: the config's decode.max_extra_length).")
+flags.DEFINE_integer("nbest", 0, "Also write the N best hypotheses of each sentence (N <= beam size) in Moses' "
+                     "n-best format `index ||| translation ||| LogProb= log P ||| score` to <output>.nbest<N>.txt.")
 FLAGS = flags.FLAGS
 
 
@@ -39,26 +51,39 @@ def read_lines(path: str) -> list[str]:
         raise sources.DataError(f"cannot read {path}: {error}") from error
 
 
-def evaluate(restored: trainer.Restored, name: str, source_sentences: list[str], references: list[str] | None,
-             output_path: str) -> dict:
-    batch_size = FLAGS.batch_size or restored.settings.decode.batch_size
-    if batch_size <= 0:
-        raise app.UsageError(f"--batch_size={batch_size} must be positive")
+def write_lines(path: str, lines: list[str]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.writelines(line + "\n" for line in lines)
+
+
+def nbest_path(output_path: str, nbest: int) -> str:
+    root, extension = os.path.splitext(output_path)
+    return f"{root}.nbest{nbest}{extension or '.txt'}"
+
+
+def evaluate(restored: trainer.Restored, search: decode.Search, name: str, source_sentences: list[str],
+             references: list[str] | None, output_path: str, nbest: int = 0) -> dict:
+    """Decode (the best hypothesis, and with nbest the n-best list too), write, score."""
+    settings = restored.settings.decode
     start = time.perf_counter()
-    ids = decode.search_ids(restored.search_fn(), restored.params, restored.tokenizer, source_sentences, batch_size,
-                            restored.model_config.position_limit)
+    found = decode.search_hypotheses(search, restored.params, restored.tokenizer, source_sentences,
+                                     settings.batch_size, restored.model_config.position_limit,
+                                     batch_sharding=restored.batch_sharding)
     seconds = time.perf_counter() - start  # includes the compilation of each new input shape
+    ids = [hypotheses[0].ids if hypotheses else [] for hypotheses in found]
     hypotheses = [restored.tokenizer.decode(x) for x in ids]
-    os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
-    with open(output_path, "w", encoding="utf-8") as handle:
-        handle.writelines(h + "\n" for h in hypotheses)
-    search = restored.settings.decode
+    write_lines(output_path, hypotheses)
     output_tokens = sum(len(x) for x in ids)
     result = {"name": name, "model": restored.name, "step": restored.step, "averaged_steps": restored.averaged_steps,
-              "beam_size": search.beam_size, "alpha": search.alpha, "max_extra_length": search.max_extra_length,
-              "sentences": len(hypotheses), "output": output_path, "decode_seconds": seconds,
-              "sentences_per_second": len(hypotheses) / max(seconds, 1e-9), "output_tokens": output_tokens,
-              "tokens_per_second": output_tokens / max(seconds, 1e-9)}
+              "beam_size": settings.beam_size, "alpha": settings.alpha, "length_penalty": settings.length_penalty,
+              "max_extra_length": settings.max_extra_length, "batch_size": settings.batch_size,
+              "devices": jax.device_count(), "sentences": len(hypotheses), "output": output_path,
+              "decode_seconds": seconds, "sentences_per_second": len(hypotheses) / max(seconds, 1e-9),
+              "output_tokens": output_tokens, "tokens_per_second": output_tokens / max(seconds, 1e-9)}
+    if nbest:
+        result["nbest"], result["nbest_output"] = nbest, nbest_path(output_path, nbest)
+        write_lines(result["nbest_output"], decode.nbest_lines([h[:nbest] for h in found], restored.tokenizer))
     if references is not None:
         result.update(metrics.all_scores(hypotheses, references, target_lang=restored.settings.data.target_lang))
         print(f"{name} BLEU {result['bleu']:.2f}  {result['signature']}")
@@ -74,18 +99,19 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; --verbosity=0 shows it
         logging.set_verbosity(logging.WARNING)
-    if FLAGS.best and (FLAGS.step is not None or FLAGS.average_last):
-        raise app.UsageError("--best chooses one checkpoint: it goes with neither --step nor --average_last")
-    if FLAGS.average_last is not None and FLAGS.average_last < 0:
-        raise app.UsageError(f"--average_last={FLAGS.average_last} must be >= 0")
-    overrides = {"beam_size": FLAGS.beam_size, "alpha": FLAGS.alpha}
-    average_last = FLAGS.average_last
-    if average_last is None and not FLAGS.best:
-        average_last = trainer.load_workdir_config(FLAGS.workdir).decode.get("average_last", 0)
-    restored = trainer.restore(FLAGS.workdir, FLAGS.step, average_last=average_last or 0, best=FLAGS.best,
+    saved = trainer.load_workdir_config(FLAGS.workdir).decode
+    try:
+        average_last, overrides = decode.command_line_settings(
+            saved, step=FLAGS.step, average_last=FLAGS.average_last, best=FLAGS.best, nbest=FLAGS.nbest,
+            **{name: FLAGS[name].value for name in decode.COMMAND_LINE_OVERRIDES})
+    except ValueError as error:
+        raise app.UsageError(str(error)) from error
+    restored = trainer.restore(FLAGS.workdir, FLAGS.step, average_last=average_last, best=FLAGS.best,
                                decode_overrides=overrides)
     if restored.averaged_steps:
         print(f"averaged the parameters of steps {restored.averaged_steps}")
+    # One search for every split: compiled once per input shape (and sampling's call count goes on).
+    search = restored.settings.decode.search_fn(restored.graphdef, restored.settings.seed, scores=FLAGS.nbest > 0)
     out_dir = os.path.join(FLAGS.workdir, "eval")
     results = []
     if FLAGS.input:
@@ -96,12 +122,13 @@ def main(argv):
                 raise sources.DataError(f"{len(source_sentences)} lines in --input={FLAGS.input} but "
                                         f"{len(references)} lines in --reference={FLAGS.reference}")
         output = FLAGS.output or os.path.join(out_dir, f"{os.path.basename(FLAGS.input)}.{restored.name}.txt")
-        results.append(evaluate(restored, FLAGS.input, source_sentences, references, output))
+        results.append(evaluate(restored, search, FLAGS.input, source_sentences, references, output, FLAGS.nbest))
     else:
         for split in FLAGS.split:
             pairs = data.read_split(restored.settings.data, split)
             output = os.path.join(out_dir, f"{split}.{restored.name}.txt")
-            results.append(evaluate(restored, split, [s for s, _ in pairs], [t for _, t in pairs], output))
+            results.append(evaluate(restored, search, split, [s for s, _ in pairs], [t for _, t in pairs], output,
+                                    FLAGS.nbest))
     os.makedirs(out_dir, exist_ok=True)
     scores_path = os.path.join(out_dir, f"scores.{restored.name}.json")
     with open(scores_path, "w", encoding="utf-8") as handle:

@@ -100,11 +100,13 @@ def get_config() -> ml_collections.ConfigDict:
     decode.max_extra_length = 50  # output may be up to input length + this many tokens (the paper's +50)
     decode.bleu_splits = "valid,test"  # comma-separated splits decoded and scored at the end of training
     decode.beam_size = 1  # 1 = greedy search (fast; the quick start's choice); base/big use the paper's 4
-    decode.alpha = 0.6  # GNMT length penalty ((5 + length) / 6)^alpha of beam search (the paper's 0.6)
+    decode.alpha = 0.6  # length penalty exponent of beam search (the paper's 0.6 with gnmt's form)
+    decode.length_penalty = "gnmt"  # beam scores log P / lp: gnmt ((5 + length) / 6)^alpha | fairseq length^alpha
     decode.early_stopping = True  # a sentence stops once no live beam can beat its finished ones
     decode.temperature = 0.0  # > 0: sample from softmax(logits / temperature) instead of searching (research use)
     decode.top_k = 0  # with temperature > 0: sample among the k most likely tokens only (0 = all)
-    decode.average_last = 0  # eval.py averages the parameters of the last N checkpoints (0 or 1: no averaging)
+    decode.top_p = 0.0  # with temperature > 0: nucleus sampling, the fewest top tokens holding p (0 or 1 = all)
+    decode.average_last = 0  # the run's end, eval.py, translate average the last N checkpoints (0 or 1: none)
     decode.cache_blocks = 0  # the self-attention cache in N blocks, a step reads only those written so far: faster
     # steps, longer compilation; outputs do not depend on it. 0: 4 for beam search, 1 for greedy (decode.py)
     return config

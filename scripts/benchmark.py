@@ -72,6 +72,8 @@ flags.DEFINE_integer("new_tokens", 40, "decode: tokens decoded per sentence (no 
 flags.DEFINE_integer("beam_size", 4, "decode: beam size (1: greedy search).")
 flags.DEFINE_integer("repeats", 3, "decode: timed runs (the median is reported).")
 flags.DEFINE_bool("compare_recompute", True, "decode: also time recomputing cross-attention keys/values per step.")
+flags.DEFINE_bool("decode_all_devices", False, "decode: split the batch's rows over every device, as decode.translate "
+                  "does (8 fake CPU devices: XLA_FLAGS=--xla_force_host_platform_device_count=8).")
 flags.DEFINE_string("output", "", "Append the result as one JSON line to this file.")
 flags.DEFINE_integer("profile", 0, "Also trace the step (train) or the cached search (decode) with jax.profiler "
                      "and print the N most expensive XLA ops with their HLO, and the time per op kind.")
@@ -304,13 +306,19 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
     graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
     params = nnx.to_pure_dict(params)
     inputs = np.random.default_rng(1).integers(3, config.vocab_size, size=(batch, source_length)).astype(np.int32)
+    if flags.FLAGS.decode_all_devices:
+        from transformer import sharding
+        batch_sharding = decode.batch_sharding_for()
+        if decode.rows_per_batch(batch, batch_sharding) != batch:
+            raise app.UsageError(f"--batch={batch} cannot be split into whole rows over {jax.device_count()} devices")
+        inputs = sharding.place_batch({"inputs": inputs}, batch_sharding)["inputs"]
     # Every sentence may produce source_length + max_extra_length = new_tokens tokens, and without early stopping
     # every sentence runs to that limit.
     max_extra_length = new_tokens - source_length
     result = dict(mode="decode", shape=flags.FLAGS.shape, batch=batch, source_length=source_length,
                   new_tokens=new_tokens, beam_size=beam_size, cache_blocks=cache_blocks, dtype="float32",
-                  backend=jax.default_backend(),
-                  devices=str(jax.devices()), jax=jax.__version__,
+                  backend=jax.default_backend(), devices=str(jax.devices()), jax=jax.__version__,
+                  batch_devices=jax.device_count() if flags.FLAGS.decode_all_devices else 1,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   model={key: getattr(config, key) for key in ("emb_dim", "num_heads", "num_encoder_layers",
                                                                "num_decoder_layers", "mlp_dim", "vocab_size")})

@@ -1,13 +1,16 @@
 import functools
 import itertools
 
+import decode_setup
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from transformer.decode import NEG_INF, beam_search, cache_blocks_for, greedy_search, length_penalty, make_search
+from transformer.decode import (NEG_INF, DecodeConfig, beam_search, cache_blocks_for, command_line_settings,
+                                greedy_search, length_penalty, make_search, nbest_lines, sampling_logits,
+                                search_ids, search_nbest)
 from transformer.model import (ModelConfig, Transformer, cached_attention, dot_product_attention, to_cache_layout,
                                write_cache_rows)
 from transformer.steps import shift_right
@@ -16,7 +19,7 @@ from transformer.tokenizer import EOS_ID
 
 jitted_beam_search = jax.jit(beam_search, static_argnames=(
     "graphdef", "beam_size", "alpha", "max_extra_length", "early_stopping", "cache_blocks",
-    "recompute_cross_attention"))
+    "recompute_cross_attention", "penalty"))
 
 
 def build(vocab_size, seed, **shapes):
@@ -48,6 +51,12 @@ def teacher_forced_log_probs(graphdef, params, inputs, outputs):
 
 def length_of(tokens):
     return int(np.argmax(tokens == EOS_ID)) + 1 if EOS_ID in tokens else len(tokens)
+
+
+def penalty_formula(length, alpha, penalty):
+    """The papers' formulas, written out: GNMT ((5 + |Y|) / 6)^alpha, fairseq |Y|^alpha."""
+    length = np.asarray(length, np.float64)
+    return ((5.0 + length) / 6.0) ** alpha if penalty == "gnmt" else length ** alpha
 
 
 @pytest.mark.parametrize("blocks", [1, 3])
@@ -95,6 +104,10 @@ def test_length_penalty_is_gnmt_formula_and_reorders_hypotheses():
     assert float(length_penalty(1, 0.6)) == pytest.approx(1.0)
     assert float(length_penalty(7, 0.6)) == pytest.approx(2.0 ** 0.6)
     assert float(length_penalty(25, 1.0)) == pytest.approx(5.0)
+    assert float(length_penalty(8, 1.0 / 3, "fairseq")) == pytest.approx(2.0)
+    assert float(length_penalty(5, 0.0, "fairseq")) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="length penalty 'wu' must be one of"):
+        length_penalty(5, 1.0, "wu")
     # A short (-2.0, 2 tokens) and a long (-2.4, 8 tokens) hypothesis: the short wins without a penalty,
     # the long one from alpha = log(2.4/2) / log(13/7) = 0.294 on.
     short, long = (-2.0, 2), (-2.4, 8)
@@ -122,11 +135,12 @@ def tiny_model():
     return build(4, 0)
 
 
-@pytest.mark.parametrize("alpha", [0.0, 0.6, 3.0])
-def test_beam_search_equals_exhaustive_search(tiny_model, alpha):
+@pytest.mark.parametrize("alpha, penalty", [(0.0, "gnmt"), (0.6, "gnmt"), (3.0, "gnmt"), (1.5, "fairseq")])
+def test_beam_search_equals_exhaustive_search(tiny_model, alpha, penalty):
+    """With early stopping on: stopping on a wrong bound of what live beams can reach would miss outputs."""
     graphdef, params = tiny_model
     sequences, scores = jitted_beam_search(params, TINY_INPUTS, graphdef=graphdef, beam_size=TINY_BEAMS, alpha=alpha,
-                                    max_extra_length=TINY_EXTRA)
+                                           max_extra_length=TINY_EXTRA, penalty=penalty)
     assert sequences.shape == (3, TINY_BEAMS, 4) and not np.asarray(sequences[2]).any()
     for row in range(2):
         limit = int(np.sum(TINY_INPUTS[row] != 0)) + TINY_EXTRA
@@ -134,7 +148,7 @@ def test_beam_search_equals_exhaustive_search(tiny_model, alpha):
         inputs = jnp.repeat(TINY_INPUTS[row:row + 1, :], len(candidates), axis=0)
         lengths = np.array([length_of(c) for c in candidates])
         exhaustive = np.asarray(teacher_forced_log_probs(graphdef, params, inputs, jnp.asarray(candidates)))
-        exhaustive = exhaustive / np.asarray(length_penalty(lengths, alpha))
+        exhaustive = exhaustive / penalty_formula(lengths, alpha, penalty)
         order = np.argsort(-exhaustive, kind="stable")[:TINY_BEAMS]
         count = len(order)  # the 3-token row has 13 possible outputs: the other slots stay empty
         np.testing.assert_allclose(scores[row, :count], exhaustive[order], rtol=1e-5, atol=1e-5)
@@ -182,6 +196,20 @@ def test_beam_search_without_early_stopping_gives_the_same_best(model_and_search
     np.testing.assert_array_equal(early, full)
     np.testing.assert_allclose(early_scores, full_scores, rtol=1e-6)
     np.testing.assert_array_equal(recomputed, full)
+
+
+def test_early_stopping_under_fairseqs_penalty_loses_nothing():
+    """fairseq's length^alpha grows with the length too, so a live log P (<= 0) over limit^alpha bounds what any
+    extension can reach: stopping on it gives what running to the end does. These inputs tell: bounding by the
+    live hypotheses' current length instead stops a row too early and loses a better hypothesis."""
+    graphdef, params = build(20, 1)
+    inputs = jnp.array([[4, 5, 6, 1, 0, 0, 0, 0], [7, 8, 9, 10, 11, 1, 0, 0], [5, 1, 0, 0, 0, 0, 0, 0],
+                        [9, 9, 1, 0, 0, 0, 0, 0]])
+    kw = dict(graphdef=graphdef, beam_size=2, alpha=1.0, max_extra_length=6, penalty="fairseq")
+    early, early_scores = jitted_beam_search(params, inputs, **kw)
+    full, full_scores = jitted_beam_search(params, inputs, early_stopping=False, **kw)
+    np.testing.assert_array_equal(early, full)
+    np.testing.assert_allclose(early_scores, full_scores, rtol=1e-6)
 
 
 def test_cache_blocks_change_no_output(model_and_search):
@@ -237,6 +265,7 @@ def test_sampling_is_seeded_and_top_k_one_is_greedy(model_and_search):
     seed_0, seed_1 = sampler(0), sampler(1)
     first = np.asarray(seed_0(params, INPUTS))
     np.testing.assert_array_equal(seed_0(params, INPUTS), first)
+    assert (np.asarray(seed_0(params, INPUTS, call=1)) != first).any()
     assert (np.asarray(seed_1(params, INPUTS)) != first).any() and not first[2].any()
 
 
@@ -247,3 +276,116 @@ def test_blockwise_top_k_equals_lax_top_k():
     expected_values, expected_indices = jax.lax.top_k(x, 8)
     np.testing.assert_array_equal(values, expected_values)
     np.testing.assert_array_equal(indices, expected_indices)
+
+
+def test_top_p_keeps_the_fewest_most_likely_tokens_that_reach_p():
+    logits = jnp.log(jnp.array([[0.05, 0.5, 0.15, 0.3]]))
+
+    def kept(temperature=1.0, **kw):
+        return set(np.flatnonzero(np.asarray(sampling_logits(logits, temperature, **kw))[0] > NEG_INF / 2).tolist())
+    assert kept(top_p=0.4) == {1} and kept(top_p=0.6) == {1, 3} and kept(top_p=0.9) == {1, 3, 2}
+    assert kept(top_p=0.99) == kept(top_p=0.0) == kept(top_p=1.0) == {0, 1, 2, 3}  # 0 and 1: off
+    assert kept(top_k=2, top_p=0.99) == {1, 3}  # top-k first, then the nucleus of what is left
+    assert kept(temperature=100.0, top_p=0.6) == {1, 3, 2}  # a high temperature flattens: more tokens to reach p
+
+
+def test_top_p_sampling_draws_only_from_the_nucleus(model_and_search):
+    """32 samples of one sentence's first token, all inside the model's 0.5-nucleus (which holds under 0.6 of the
+    probability: were top_p ignored, ~40% of them would fall outside)."""
+    graphdef, params, _ = model_and_search
+    rows = jnp.tile(INPUTS[1:2], (32, 1))
+    first_logits = jax.jit(lambda params: nnx.merge(graphdef, params)(INPUTS[1:2], jnp.zeros((1, 1), jnp.int32)))(
+        params)[0, 0]
+    probs = np.asarray(jax.nn.softmax(first_logits))
+    order = np.argsort(-probs)
+    nucleus = set(order[:int(np.searchsorted(np.cumsum(probs[order]), 0.5)) + 1].tolist())
+    assert 1 < len(nucleus) < len(probs) - 1 and probs[list(nucleus)].sum() < 0.6
+    search = make_search(graphdef, max_extra_length=6, temperature=1.0, top_p=0.5)
+    draws = set(np.asarray(search(params, rows))[:, 0].tolist())
+    assert draws <= nucleus and len(draws) > 1
+
+
+@pytest.fixture(scope="module")
+def translation(tmp_path_factory):
+    tokenizer = decode_setup.vocabulary(tmp_path_factory.mktemp("vocab"))
+    graphdef, params = decode_setup.tiny_model()
+    return tokenizer, graphdef, params, decode_setup.sentences(tokenizer, 9)
+
+
+def test_sampling_draws_fresh_noise_each_call_and_reproduces_from_seed_and_call_index(translation):
+    tokenizer, graphdef, params, sentences = translation
+    def sampler():
+        return make_search(graphdef, max_extra_length=decode_setup.MAX_EXTRA_LENGTH, temperature=1.0, seed=7)
+    search = sampler()
+    first, second = (search_ids(search, params, tokenizer, sentences, 8) for _ in range(2))
+    assert search.calls == 2 and len(first[3]) == 0
+    assert any(not np.array_equal(a, b) for a, b in zip(first, second))
+    def same(a, b):
+        return all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert same(search_ids(sampler(), params, tokenizer, sentences, 8), first)  # a new search counts from 0
+    # A pinned call index, in batches of another size: each sentence's noise is its own.
+    assert same(search_ids(search, params, tokenizer, sentences, 4, call=1), second) and search.calls == 2
+
+
+@pytest.mark.parametrize("beam_size, penalty", [(4, "fairseq"), (1, "gnmt")])  # beam search, scored greedy
+def test_nbest_lists_distinct_hypotheses_best_first_scored_by_the_penalty(translation, beam_size, penalty):
+    tokenizer, graphdef, params, sentences = translation
+    count, alpha = min(3, beam_size), 1.0
+    search = make_search(graphdef, max_extra_length=decode_setup.MAX_EXTRA_LENGTH, beam_size=beam_size, alpha=alpha,
+                         penalty=penalty, scores=True)
+    nbest = search_nbest(search, params, tokenizer, sentences, 8, nbest=count)
+    assert nbest[3] == [] and all(len(hypotheses) == count for i, hypotheses in enumerate(nbest) if i != 3)
+    found = [(i, h) for i, hypotheses in enumerate(nbest) for h in hypotheses]
+    for hypotheses in nbest:
+        assert len({tuple(h.ids) for h in hypotheses}) == len(hypotheses)
+        assert all(a.score >= b.score for a, b in zip(hypotheses, hypotheses[1:]))
+    # Every score is the teacher-forced log P of its hypothesis over the penalty formula.
+    inputs = tokenizer.encode([sentences[i] for i, _ in found])
+    width, length = max(map(len, inputs)), max(len(h.ids) for _, h in found)
+    sources = np.stack([np.pad(x, (0, width - len(x))) for x in inputs])
+    outputs = np.stack([np.pad(h.ids, (0, length - len(h.ids))) for _, h in found])
+    log_probs = np.asarray(teacher_forced_log_probs(graphdef, params, jnp.asarray(sources), jnp.asarray(outputs)))
+    np.testing.assert_allclose([h.log_prob for _, h in found], log_probs, rtol=1e-4, atol=1e-4)
+    lengths = [len(h.ids) for _, h in found]
+    np.testing.assert_allclose([h.score for _, h in found], log_probs / penalty_formula(lengths, alpha, penalty),
+                               rtol=1e-4, atol=1e-4)
+    best = search_ids(search, params, tokenizer, sentences, 8)
+    assert all(np.array_equal(b, h[0].ids) for b, h in zip(best, nbest) if h)
+    lines = nbest_lines(nbest, tokenizer, first_index=10)
+    index, text, log_prob, score = lines[0].split(" ||| ")
+    assert (index, text) == ("10", tokenizer.decode(nbest[0][0].ids)) and float(score) == pytest.approx(
+        nbest[0][0].score, abs=1e-5) and log_prob.startswith("LogProb= ")
+    assert f"13 |||  ||| LogProb= 0.000000 ||| 0.000000" in lines  # the empty sentence keeps its index
+    assert len(lines) == count * (len(sentences) - 1) + 1
+
+
+def test_nbest_needs_a_scored_search_keeping_that_many(translation):
+    tokenizer, graphdef, params, sentences = translation
+    beam = make_search(graphdef, max_extra_length=4, beam_size=2)
+    with pytest.raises(ValueError, match="nbest=3 must be between 1 and the 2 hypotheses"):
+        search_nbest(beam, params, tokenizer, sentences, 8, nbest=3)
+    with pytest.raises(ValueError, match="need a scored Search"):
+        search_nbest(make_search(graphdef, max_extra_length=4), params, tokenizer, sentences, 8, nbest=1)
+
+
+def test_decode_settings_and_command_line_flags_fail_clearly_and_share_one_default_rule():
+    with pytest.raises(ValueError, match=r"decode.top_p=1.5 must be in \[0, 1\]"):
+        DecodeConfig(top_p=1.5)
+    with pytest.raises(ValueError, match="decode.length_penalty='wu' must be one of"):
+        DecodeConfig(length_penalty="wu")
+    saved = {"beam_size": 4, "average_last": 5, "batch_size": 64, "bleu_splits": "valid"}
+    # Unset flags (None) take the workdir's value, average_last included; --best averages nothing.
+    assert command_line_settings(saved, step=None, average_last=None, best=False, alpha=None) == (5, {})
+    assert command_line_settings(saved, step=None, average_last=None, best=True) == (0, {})
+    assert command_line_settings(saved, step=3, average_last=2, best=False, batch_size=8, nbest=4) == (
+        2, {"batch_size": 8})
+    for flags, message in [({"nbest": 5}, "--nbest=5 must be between 0 \\(off\\) and decode.beam_size=4"),
+                           ({"nbest": 2, "beam_size": 1}, "decode.beam_size=1"),
+                           ({"max_extra_length": -1}, "--max_extra_length=-1 must be >= 0"),
+                           ({"batch_size": 0}, "--batch_size=0 must be positive"),
+                           ({"average_last": -1}, "--average_last=-1 must be >= 0"),
+                           ({"best": True, "step": 3}, "--best chooses one checkpoint")]:
+        with pytest.raises(ValueError, match=message):
+            command_line_settings(saved, **{"step": None, "average_last": None, "best": False, **flags})
+    with pytest.raises(ValueError, match="decode.temperature=1.0 samples one per sentence"):
+        command_line_settings({**saved, "temperature": 1.0}, step=None, average_last=None, best=False, nbest=2)

@@ -18,32 +18,44 @@ Lengths (the paper's "maximum output length input length + 50"): sentence i may 
 limit_i - 1 only EOS may be produced, so every hypothesis ends with EOS. The static buffer is the padded
 input length + max_extra_length; rows of all padding produce nothing.
 
-Beam search follows tensor2tensor / GNMT: scores are log-probabilities divided by the length penalty
-((5 + length) / 6)^alpha (length counts the EOS), the 2K best extensions of the K live hypotheses are split
-into new live ones (no EOS) and finished ones (EOS), and a sentence stops early once its K finished
-hypotheses are all at least as good as the best any live one could still reach
-(live log-probability / lp(limit_i), an upper bound for alpha >= 0). beam_size 1 is greedy search.
+Beam search follows tensor2tensor / GNMT: scores are log-probabilities divided by a length penalty lp (GNMT's
+((5 + length) / 6)^alpha, or fairseq's length^alpha; length counts the EOS), the 2K best extensions of the K
+live hypotheses are split into new live ones (no EOS) and finished ones (EOS), and a sentence stops early once
+its K finished hypotheses are all at least as good as the best any live one could still reach (live
+log-probability / lp(limit_i): for alpha >= 0 both penalties are positive and grow with the length while the
+log-probability, <= 0, only falls, so no extension can score above it). beam_size 1 is greedy search.
+
+Sampling (temperature > 0, then top_k, then top_p) is reproducible and fresh at once: sentence i of the c-th
+call of `search_ids`/`translate` on one `Search` (c counts from 0; `call=` pins it) draws position t with
+the key fold_in(fold_in(fold_in(key(seed), c), i), t), i being the sentence's index in that call's list. The
+samples then depend on neither the batch size, nor the number of devices or processes, nor the other sentences.
+
+Decoding splits each batch's rows over the batch axes of a mesh (`batch_sharding`); with several processes
+every process passes the same sentences, places its own rows, and gets every output back.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
-from typing import Any
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from transformer import data
+from transformer import data, sharding
 from transformer.metrics import log
 from transformer.model import to_cache_layout
 from transformer.tokenizer import EOS_ID, PAD_ID, Tokenizer
 
 PyTree = Any
-Search = Callable[[PyTree, jax.Array], jax.Array]
+PENALTIES = ("gnmt", "fairseq")
 # A large finite "minus infinity": sums and divisions of it stay finite, so no NaN can enter the top-k.
 NEG_INF = -1.0e7
 
@@ -57,9 +69,11 @@ class DecodeConfig:
     bleu_splits: str = "valid,test"
     beam_size: int = 4
     alpha: float = 0.6
+    length_penalty: str = "gnmt"
     early_stopping: bool = True
     temperature: float = 0.0
     top_k: int = 0
+    top_p: float = 0.0
     average_last: int = 0
     cache_blocks: int = 0
 
@@ -72,18 +86,24 @@ class DecodeConfig:
             raise ValueError(f"decode.beam_size={self.beam_size} must be >= 1")
         if self.alpha < 0:  # early stopping's bound on what a live beam can reach needs alpha >= 0
             raise ValueError(f"decode.alpha={self.alpha} must be >= 0")
+        if self.length_penalty not in PENALTIES:
+            raise ValueError(f"decode.length_penalty={self.length_penalty!r} must be one of {PENALTIES}")
         if self.cache_blocks < 0:
             raise ValueError(f"decode.cache_blocks={self.cache_blocks} must be >= 0 (0: 4 for beam search, "
                              "1 otherwise)")
         if self.temperature < 0 or self.top_k < 0 or self.average_last < 0:
             raise ValueError(f"decode.temperature={self.temperature}, decode.top_k={self.top_k} and "
                              f"decode.average_last={self.average_last} must be >= 0")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"decode.top_p={self.top_p} must be in [0, 1] (0 or 1: off)")
 
-    def search_fn(self, graphdef: nnx.GraphDef, seed: int) -> Search:
+    def search_fn(self, graphdef: nnx.GraphDef, seed: int, *, scores: bool = False) -> Search:
+        """The configured search; `scores` makes greedy search and sampling score their hypothesis too (beam
+        search always does), as n-best lists need."""
         return make_search(graphdef, max_extra_length=self.max_extra_length, beam_size=self.beam_size,
-                                  alpha=self.alpha, early_stopping=self.early_stopping,
-                                  temperature=self.temperature, top_k=self.top_k, seed=seed,
-                                  cache_blocks=self.cache_blocks)
+                           alpha=self.alpha, penalty=self.length_penalty, early_stopping=self.early_stopping,
+                           temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed,
+                           cache_blocks=self.cache_blocks, scores=scores)
 
     @property
     def splits(self) -> list[str]:
@@ -93,10 +113,23 @@ class DecodeConfig:
                 raise ValueError(f"decode.bleu_splits names {split!r}; expected some of {data.SPLITS}")
         return splits
 
+    def check_nbest(self, nbest: int) -> None:
+        """--nbest=N lists the N best finished hypotheses of beam search (one for greedy search)."""
+        if nbest < 0 or nbest > self.beam_size:
+            raise ValueError(f"--nbest={nbest} must be between 0 (off) and decode.beam_size={self.beam_size}: "
+                             "beam search keeps that many finished hypotheses")
+        if nbest and self.temperature > 0:
+            raise ValueError(f"--nbest={nbest} ranks the hypotheses of a search; decode.temperature="
+                             f"{self.temperature} samples one per sentence")
 
-def length_penalty(length: jax.Array, alpha: float) -> jax.Array:
-    """GNMT's lp(Y) = ((5 + |Y|) / 6)^alpha (Wu et al. 2016, eq. 14); a score is log P(Y) / lp(Y)."""
-    return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
+
+def length_penalty(length: jax.Array, alpha: float, kind: str = "gnmt") -> jax.Array:
+    """A score is log P(Y) / lp(Y): GNMT's lp(Y) = ((5 + |Y|) / 6)^alpha (Wu et al. 2016, eq. 14), or fairseq's
+    |Y|^alpha (kind="fairseq"); |Y| counts the EOS."""
+    if kind not in PENALTIES:
+        raise ValueError(f"length penalty {kind!r} must be one of {PENALTIES}")
+    length = jnp.asarray(length, jnp.float32)
+    return (length if kind == "fairseq" else (5.0 + length) / 6.0) ** alpha
 
 
 def output_limits(inputs: jax.Array, max_extra_length: int) -> jax.Array:
@@ -133,46 +166,83 @@ def cache_length(max_decode_length: int, blocks: int) -> int:
 # Greedy search and sampling: one hypothesis per sentence
 
 
-def greedy_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, max_extra_length: int,
-                  temperature: float = 0.0, top_k: int = 0, rng: jax.Array | None = None,
-                  cache_blocks: int = 0) -> jax.Array:
+def sampling_logits(logits: jax.Array, temperature: float, top_k: int = 0, top_p: float = 0.0) -> jax.Array:
+    """logits [rows, vocab] -> logits / temperature with every token outside the top_k (when > 0) and then
+    outside the nucleus (when 0 < top_p < 1: the fewest most likely tokens whose probability reaches top_p;
+    Holtzman et al. 2020) set to NEG_INF. Tokens tied with the nucleus' least likely one stay in."""
+    logits = logits / temperature
+    if top_k > 0:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits >= kth, logits, NEG_INF)
+    if 0.0 < top_p < 1.0:
+        ranked = -jnp.sort(-logits, axis=-1)
+        probs = jax.nn.softmax(ranked, axis=-1)
+        # A token is in the nucleus while the tokens ranked above it hold less than top_p (the first always is).
+        inside = jnp.cumsum(probs, axis=-1) - probs < top_p
+        least = jnp.min(jnp.where(inside, ranked, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits >= least, logits, NEG_INF)
+    return logits
+
+
+def row_keys(seed: int, streams: jax.Array) -> jax.Array:
+    """streams [rows, 2] of (call, sentence index) -> each row's key fold_in(fold_in(key(seed), call), index)."""
+    base = jax.random.key(seed)
+    return jax.vmap(lambda stream: jax.random.fold_in(jax.random.fold_in(base, stream[0]), stream[1]))(streams)
+
+
+def default_streams(batch: int, call: int = 0) -> jax.Array:
+    """Rows 0..batch-1 as sentences 0..batch-1 of call `call` (a batch passed to a search directly)."""
+    return jnp.stack([jnp.full((batch,), call, jnp.int32), jnp.arange(batch, dtype=jnp.int32)], axis=1)
+
+
+def greedy_search(params: PyTree, inputs: jax.Array, streams: jax.Array | None = None, *, graphdef: nnx.GraphDef,
+                  max_extra_length: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0,
+                  seed: int = 0, cache_blocks: int = 0, alpha: float = 0.0, penalty: str = "gnmt",
+                  return_scores: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """inputs [batch, src_length] -> output ids [batch, src_length + max_extra_length], padded with 0 after EOS.
 
-    temperature 0 takes the argmax (greedy search); temperature > 0 samples from softmax(logits / temperature),
-    restricted to the top_k most likely tokens when top_k > 0, with key fold_in(rng, position).
-    Stops once every row has produced EOS (rows of all-padding inputs count as finished).
-    cache_blocks: the self-attention cache's blocks (Transformer.init_cache; 0: cache_blocks_for's choice, 1); the
-    outputs are the same up to float rounding.
+    temperature 0 takes the argmax (greedy search); temperature > 0 samples from `sampling_logits` (top_k,
+    top_p), row r at position t with key fold_in(row_keys(seed, streams)[r], t); streams [batch, 2] (call,
+    sentence index), default_streams when None. Stops once every row has produced EOS (rows of all-padding
+    inputs count as finished). cache_blocks: the self-attention cache's blocks (Transformer.init_cache; 0:
+    cache_blocks_for's choice, 1); the outputs are the same up to float rounding. return_scores: also
+    [batch] log P(output) / length_penalty(length, alpha, penalty), log P under the model itself (temperature 1).
     """
     model = nnx.merge(graphdef, params)
     batch, max_decode_length = inputs.shape[0], inputs.shape[1] + max_extra_length
     cache_blocks = cache_blocks_for(cache_blocks, 1)
     limits = output_limits(inputs, max_extra_length)
     cache = model.init_cache(model.encode(inputs), cache_length(max_decode_length, cache_blocks), cache_blocks)
+    keys = row_keys(seed, default_streams(batch) if streams is None else streams) if temperature > 0 else None
 
     def choose(logits, index):
         if temperature <= 0.0:
             return jnp.argmax(logits, axis=-1)
-        logits = logits / temperature
-        if top_k > 0:
-            kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-            logits = jnp.where(logits >= kth, logits, NEG_INF)
-        return jax.random.categorical(jax.random.fold_in(rng, index), logits, axis=-1)
+        logits = sampling_logits(logits, temperature, top_k, top_p)
+        return jax.vmap(lambda key, row: jax.random.categorical(jax.random.fold_in(key, index), row))(keys, logits)
 
     def not_done(carry):
         return (carry["index"] < max_decode_length) & ~jnp.all(carry["finished"])
 
     def step(carry):
         index, finished = carry["index"], carry["finished"]
-        logits, cache = model.decode_step(carry["previous"], index, carry["cache"], inputs)
-        logits = only_eos_at_limit(logits, index, limits)
+        raw, cache = model.decode_step(carry["previous"], index, carry["cache"], inputs)
+        logits = only_eos_at_limit(raw, index, limits)
         token = jnp.where(finished, PAD_ID, choose(logits, index).astype(jnp.int32))
+        log_prob = carry["log_prob"]
+        if return_scores:  # normalised over the whole vocabulary, as beam search scores EOS at the limit
+            picked = jnp.take_along_axis(raw, token[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(raw, axis=-1)
+            log_prob = log_prob + jnp.where(finished, 0.0, picked)
         return dict(index=index + 1, previous=token, cache=cache, finished=finished | (token == EOS_ID),
-                    outputs=carry["outputs"].at[:, index].set(token))
+                    outputs=carry["outputs"].at[:, index].set(token), log_prob=log_prob)
 
     start = dict(index=jnp.int32(0), previous=jnp.zeros((batch,), jnp.int32), cache=cache, finished=limits == 0,
-                 outputs=jnp.zeros((batch, max_decode_length), jnp.int32))
-    return jax.lax.while_loop(not_done, step, start)["outputs"]
+                 outputs=jnp.zeros((batch, max_decode_length), jnp.int32), log_prob=jnp.zeros((batch,), jnp.float32))
+    final = jax.lax.while_loop(not_done, step, start)
+    if not return_scores:
+        return final["outputs"]
+    lengths = jnp.argmax(final["outputs"] == EOS_ID, axis=1) + 1  # every real row ends with its EOS
+    return final["outputs"], final["log_prob"] / length_penalty(lengths, alpha, penalty)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -255,9 +325,10 @@ def _top_extensions(logits: jax.Array, live_scores: jax.Array, at_limit: jax.Arr
 
 def beam_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, beam_size: int, alpha: float,
                 max_extra_length: int, early_stopping: bool = True, cache_blocks: int = 0,
-                recompute_cross_attention: bool = False) -> tuple[jax.Array, jax.Array]:
+                recompute_cross_attention: bool = False, penalty: str = "gnmt") -> tuple[jax.Array, jax.Array]:
     """inputs [batch, src_length] -> (sequences [batch, beam_size, src_length + max_extra_length], each ending in
-    EOS then padding, best first; scores [batch, beam_size], log P / lp, NEG_INF-ish for empty slots).
+    EOS then padding, best first; scores [batch, beam_size], log P / length_penalty(length, alpha, penalty),
+    NEG_INF-ish for empty slots).
 
     early_stopping=False runs every row to the full buffer length (for benchmarks). cache_blocks: the
     self-attention cache's blocks (Transformer.init_cache; 0: cache_blocks_for's choice, 4); the results are the
@@ -307,12 +378,13 @@ def beam_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, be
         # Finished: extensions ending in EOS join the K best finished so far (none once a row is done).
         # (An extension of an empty beam slot scores about NEG_INF: it is no hypothesis.)
         ended = is_eos & (scores > NEG_INF / 2) & ~carry["done"][:, None]
-        new_finished = jnp.where(ended, scores / length_penalty(index + 1, alpha), NEG_INF)
+        new_finished = jnp.where(ended, scores / length_penalty(index + 1, alpha, penalty), NEG_INF)
         finished_scores, best = jax.lax.top_k(jnp.concatenate([carry["finished_scores"], new_finished], 1), beams)
         finished_sequences = _gather_beams(jnp.concatenate([carry["finished_sequences"], sequences], 1), best)
         finished_flags = _gather_beams(jnp.concatenate([carry["finished_flags"], ended], 1), best)
-        # No live hypothesis can still beat the K finished ones (valid for alpha >= 0: log P only falls, lp grows).
-        best_possible = live_scores[:, 0] / length_penalty(limits, alpha)
+        # No live hypothesis can still beat the K finished ones (valid for alpha >= 0: log P <= 0 only falls, and
+        # either penalty grows with the length, so dividing by lp(limit) is the most any extension can reach).
+        best_possible = live_scores[:, 0] / length_penalty(limits, alpha, penalty)
         settled = jnp.all(finished_flags, axis=1) & (finished_scores[:, -1] >= best_possible)
         done = carry["done"] | (index + 1 >= limits) | (early_stopping & settled)
         return dict(index=index + 1, cache=cache, ancestors=ancestors, tokens=live["tokens"],
@@ -336,27 +408,66 @@ def beam_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, be
 # One entry point for every caller
 
 
+class Hypothesis(NamedTuple):
+    """One finished output of a sentence."""
+
+    ids: np.ndarray  # token ids up to and including EOS
+    score: float  # log_prob / length_penalty(len(ids), alpha, penalty): what the search ranks by
+    log_prob: float  # log P(ids | source) under the model
+
+
+@dataclasses.dataclass(eq=False)
+class Search:
+    """A jitted search bound to one model and its settings (make_search).
+
+    `run(params, inputs, streams)` -> (sequences [batch, hypotheses, src_length + max_extra_length], scores
+    [batch, hypotheses]), best first, each sequence ending with EOS (all zeros in an empty slot); streams [batch,
+    2] (call, sentence index) seed sampling (module docstring). `search(params, inputs)` -> the best sequences.
+    scored: the scores are real (beam search, or make_search(scores=True)); else zeros. calls: the index of
+    the next search_ids/translate call, which advances it.
+    """
+
+    run: Callable[[PyTree, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+    hypotheses: int
+    scored: bool
+    alpha: float = 0.0
+    penalty: str = "gnmt"
+    calls: int = 0
+
+    def __call__(self, params: PyTree, inputs: jax.Array, call: int = 0) -> jax.Array:
+        return self.run(params, inputs, default_streams(inputs.shape[0], call))[0][:, 0]
+
+
 def make_search(graphdef: nnx.GraphDef, *, max_extra_length: int, beam_size: int = 1, alpha: float = 0.0,
-                early_stopping: bool = True, temperature: float = 0.0, top_k: int = 0, seed: int = 0,
-                cache_blocks: int = 0) -> Search:
-    """A jitted `search(params, inputs) -> output ids [batch, src_length + max_extra_length]`: sampling when
-    temperature > 0, else greedy search for beam_size 1, else beam search (its best hypothesis); the
-    self-attention cache in `cache_blocks` blocks (Transformer.init_cache; 0: cache_blocks_for's choice)."""
+                penalty: str = "gnmt", early_stopping: bool = True, temperature: float = 0.0, top_k: int = 0,
+                top_p: float = 0.0, seed: int = 0, cache_blocks: int = 0, scores: bool = False) -> Search:
+    """The `Search` of the settings: sampling when temperature > 0, else greedy search for beam_size 1, else beam
+    search (all beam_size finished hypotheses); the self-attention cache in `cache_blocks` blocks
+    (Transformer.init_cache; 0: cache_blocks_for's choice). scores: greedy search and sampling also score their
+    hypothesis (a logsumexp per step; beam search scores anyway)."""
     if beam_size < 1:
         raise ValueError(f"beam_size={beam_size} must be >= 1")
+    if penalty not in PENALTIES:
+        raise ValueError(f"length penalty {penalty!r} must be one of {PENALTIES}")
     sampling = temperature > 0.0 or beam_size == 1
     cache_blocks = cache_blocks_for(cache_blocks, 1 if sampling else beam_size)
     if sampling:
-        rng = jax.random.PRNGKey(seed)
-        return jax.jit(functools.partial(greedy_search, graphdef=graphdef, max_extra_length=max_extra_length,
-                                         temperature=temperature, top_k=top_k, rng=rng, cache_blocks=cache_blocks))
+        greedy = functools.partial(greedy_search, graphdef=graphdef, max_extra_length=max_extra_length,
+                                   temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                   cache_blocks=cache_blocks, alpha=alpha, penalty=penalty, return_scores=scores)
 
-    def best(params, inputs):
-        sequences, _ = beam_search(params, inputs, graphdef=graphdef, beam_size=beam_size, alpha=alpha,
-                                   max_extra_length=max_extra_length, early_stopping=early_stopping,
-                                   cache_blocks=cache_blocks)
-        return sequences[:, 0]
-    return jax.jit(best)
+        def one(params, inputs, streams):
+            outputs = greedy(params, inputs, streams)
+            sequences, row_scores = outputs if scores else (outputs, jnp.zeros(inputs.shape[:1], jnp.float32))
+            return sequences[:, None], row_scores[:, None]
+        return Search(jax.jit(one), 1, scores, alpha, penalty)
+
+    def beams(params, inputs, streams):
+        del streams  # beam search draws no random numbers
+        return beam_search(params, inputs, graphdef=graphdef, beam_size=beam_size, alpha=alpha,
+                           max_extra_length=max_extra_length, early_stopping=early_stopping,
+                           cache_blocks=cache_blocks, penalty=penalty)
+    return Search(jax.jit(beams), beam_size, True, alpha, penalty)
 
 
 def make_greedy_search(graphdef: nnx.GraphDef, max_extra_length: int) -> Search:
@@ -364,22 +475,36 @@ def make_greedy_search(graphdef: nnx.GraphDef, max_extra_length: int) -> Search:
     return make_search(graphdef, max_extra_length=max_extra_length)
 
 
-def translate(search: Search, params: PyTree, tokenizer: Tokenizer, sentences: list[str], batch_size: int,
-              max_input_length: int | None = None) -> list[str]:
-    """Translate sentences in length-sorted batches with a jitted `search(params, inputs)`; keeps input order.
-
-    An empty sentence gets an empty translation. With `max_input_length` (a model with learned positions),
-    longer inputs are truncated to it, keeping their EOS, with a warning.
-    """
-    return [tokenizer.decode(ids) for ids in search_ids(search, params, tokenizer, sentences, batch_size,
-                                                         max_input_length)]
+# ----------------------------------------------------------------------------------------------------
+# Sentences in, sentences out, over every device and process
 
 
-def search_ids(search: Search, params: PyTree, tokenizer: Tokenizer, sentences: list[str], batch_size: int,
-               max_input_length: int | None = None) -> list[np.ndarray]:
-    """The output ids of each sentence (up to and including EOS), in input order; empty for an empty sentence."""
-    if not sentences:
-        return []
+def batch_sharding_for(params: PyTree = None) -> NamedSharding:
+    """The default split of a decoding batch's rows: over the batch axes (data, fsdp) of the mesh the params
+    are sharded on (jit refuses arrays on two meshes that order the same devices differently), or over every
+    device (jax.devices()) when they are on no mesh."""
+    leaf = next((x for x in jax.tree.leaves(params) if isinstance(getattr(x, "sharding", None), NamedSharding)),
+                None)
+    if leaf is None:
+        return NamedSharding(Mesh(np.asarray(jax.devices()), ("data",)), PartitionSpec("data"))
+    mesh = leaf.sharding.mesh
+    axes = tuple(axis for axis in sharding.BATCH_AXES if axis in mesh.axis_names) or tuple(mesh.axis_names)
+    return NamedSharding(mesh, PartitionSpec(axes))
+
+
+def rows_per_batch(batch_size: int, batch_sharding: NamedSharding) -> int:
+    """batch_size rounded up to a multiple of the ways batch_sharding splits rows: every device gets whole rows."""
+    if batch_size <= 0:
+        raise ValueError(f"decode batch size {batch_size} must be positive")
+    spec = tuple(batch_sharding.spec)
+    axes = spec[0] if spec else None
+    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    ways = math.prod(batch_sharding.mesh.shape[name] for name in names)
+    return -(-batch_size // ways) * ways
+
+
+def encode_inputs(tokenizer: Tokenizer, sentences: list[str], max_input_length: int | None) -> list[np.ndarray]:
+    """Token ids of each sentence (EOS included); longer than max_input_length: cut to it, keeping EOS."""
     inputs = tokenizer.encode(sentences)
     if max_input_length is not None:
         too_long = [i for i, ids in enumerate(inputs) if len(ids) > max_input_length]
@@ -388,10 +513,145 @@ def search_ids(search: Search, params: PyTree, tokenizer: Tokenizer, sentences: 
                         len(too_long), max_input_length, too_long[0] + 1)
             for i in too_long:
                 inputs[i] = np.append(inputs[i][:max_input_length - 1], EOS_ID).astype(np.int32)
-    outputs: list[np.ndarray] = [np.zeros((0,), np.int32)] * len(sentences)
-    for indices, batch in data.decode_batches(inputs, batch_size):
-        for index, ids in zip(indices, np.asarray(search(params, batch))):
+    return inputs
+
+
+def to_host(x: Any) -> np.ndarray:
+    """A device array (all of it, on every process) or anything array-like -> numpy."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x)
+
+
+def _runner(search: Search | Callable, call: int | None) -> tuple[Callable, int]:
+    """(run, call index) of a Search, advancing its call count unless `call` pins one; any other callable
+    `(params, inputs) -> ids` (a stand-in) gives one unscored hypothesis per row."""
+    if isinstance(search, Search):
+        if call is None:
+            call, search.calls = search.calls, search.calls + 1
+        return search.run, call
+
+    def run(params, inputs, streams):
+        outputs = search(params, inputs)
+        return outputs[:, None], np.zeros((outputs.shape[0], 1), np.float32)
+    return run, call or 0
+
+
+def _hypotheses(sequences: np.ndarray, scores: np.ndarray, log_probs: np.ndarray) -> list[Hypothesis]:
+    """One row's finished hypotheses (sequences [n, length]; empty slots, without EOS, are dropped)."""
+    found = []
+    for ids, score, log_prob in zip(sequences, scores, log_probs):
+        if EOS_ID in ids:
+            found.append(Hypothesis(ids[:int(np.argmax(ids == EOS_ID)) + 1].astype(np.int32), float(score),
+                                    float(log_prob)))
+    return found
+
+
+def search_hypotheses(search: Search | Callable, params: PyTree, tokenizer: Tokenizer, sentences: list[str],
+                      batch_size: int, max_input_length: int | None = None, *,
+                      batch_sharding: NamedSharding | None = None, call: int | None = None) -> list[list[Hypothesis]]:
+    """Each sentence's finished hypotheses, best first (beam search's up to beam_size, else one), in input order;
+    none for an empty sentence. Length-sorted batches of batch_size rows (rounded up to whole rows per device)
+    are split over batch_sharding (default: batch_sharding_for(params)); with several processes each places
+    its own rows, and every process gets every hypothesis. call: sampling's call index (default: the next)."""
+    if not sentences:
+        return []
+    inputs = encode_inputs(tokenizer, sentences, max_input_length)
+    batch_sharding = batch_sharding_for(params) if batch_sharding is None else batch_sharding
+    run, call = _runner(search, call)
+    pending = []
+    for indices, batch in data.decode_batches(inputs, rows_per_batch(batch_size, batch_sharding)):
+        streams = np.stack([np.full(len(indices), call), indices], axis=1).astype(np.int32)
+        placed = sharding.place_batch({"inputs": batch, "streams": streams}, batch_sharding)
+        pending.append((indices, run(params, placed["inputs"], placed["streams"])))  # dispatched, not awaited
+    alpha, penalty = (search.alpha, search.penalty) if isinstance(search, Search) else (0.0, "gnmt")
+    results: list[list[Hypothesis]] = [[] for _ in sentences]
+    for indices, (sequences, scores) in pending:
+        sequences, scores = to_host(sequences), to_host(scores)
+        lengths = np.argmax(sequences == EOS_ID, axis=-1) + 1
+        log_probs = scores * np.asarray(length_penalty(lengths, alpha, penalty))
+        for index, *row in zip(indices, sequences, scores, log_probs):
             if index >= 0 and sentences[index].strip():
-                ids = ids.tolist()
-                outputs[index] = np.asarray(ids[:ids.index(EOS_ID) + 1] if EOS_ID in ids else ids, np.int32)
-    return outputs
+                results[index] = _hypotheses(*row)
+    return results
+
+
+def search_ids(search: Search | Callable, params: PyTree, tokenizer: Tokenizer, sentences: list[str],
+               batch_size: int, max_input_length: int | None = None, *, batch_sharding: NamedSharding | None = None,
+               call: int | None = None) -> list[np.ndarray]:
+    """The output ids of each sentence's best hypothesis (up to and including EOS), in input order; empty for
+    an empty sentence. See search_hypotheses."""
+    found = search_hypotheses(search, params, tokenizer, sentences, batch_size, max_input_length,
+                              batch_sharding=batch_sharding, call=call)
+    return [hypotheses[0].ids if hypotheses else np.zeros((0,), np.int32) for hypotheses in found]
+
+
+def translate(search: Search | Callable, params: PyTree, tokenizer: Tokenizer, sentences: list[str],
+              batch_size: int, max_input_length: int | None = None, *, batch_sharding: NamedSharding | None = None,
+              call: int | None = None) -> list[str]:
+    """Translate sentences in length-sorted batches with a `Search` (or any jitted `search(params, inputs)`);
+    keeps input order; the same list on every process. An empty sentence gets an empty translation. With
+    `max_input_length` (a model with learned positions), longer inputs are truncated to it, keeping their EOS,
+    with a warning. batch_sharding, call: see search_hypotheses.
+    """
+    return [tokenizer.decode(ids) for ids in search_ids(search, params, tokenizer, sentences, batch_size,
+                                                         max_input_length, batch_sharding=batch_sharding, call=call)]
+
+
+def search_nbest(search: Search, params: PyTree, tokenizer: Tokenizer, sentences: list[str], batch_size: int,
+                 max_input_length: int | None = None, *, nbest: int, batch_sharding: NamedSharding | None = None,
+                 call: int | None = None) -> list[list[Hypothesis]]:
+    """The `nbest` best finished hypotheses of each sentence (fewer where the search finished fewer; none for an
+    empty sentence), best first, from a scored Search. See search_hypotheses."""
+    if not isinstance(search, Search) or not search.scored:
+        raise ValueError("n-best lists need a scored Search (beam search, or make_search(..., scores=True))")
+    if not 1 <= nbest <= search.hypotheses:
+        raise ValueError(f"nbest={nbest} must be between 1 and the {search.hypotheses} hypotheses the search keeps "
+                         "(decode.beam_size)")
+    found = search_hypotheses(search, params, tokenizer, sentences, batch_size, max_input_length,
+                              batch_sharding=batch_sharding, call=call)
+    return [hypotheses[:nbest] for hypotheses in found]
+
+
+def nbest_lines(nbest: list[list[Hypothesis]], tokenizer: Tokenizer, first_index: int = 0) -> list[str]:
+    """Moses' n-best format, one line per hypothesis, best first: `index ||| translation ||| LogProb= log P |||
+    score` (index counts sentences from first_index, 0-based; score = log P / length penalty). An empty sentence
+    gets one line with an empty translation and 0 scores, so every index appears."""
+    lines = []
+    for index, hypotheses in enumerate(nbest, first_index):
+        for hypothesis in hypotheses or [Hypothesis(np.zeros((0,), np.int32), 0.0, 0.0)]:
+            lines.append(f"{index} ||| {tokenizer.decode(hypothesis.ids)} ||| LogProb= {hypothesis.log_prob:.6f} "
+                         f"||| {hypothesis.score:.6f}")
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------------
+# The command-line tools (eval.py, transformer.translate)
+
+# Flags of both tools that override the workdir config's decode section when given.
+COMMAND_LINE_OVERRIDES = ("batch_size", "beam_size", "alpha", "length_penalty", "max_extra_length")
+
+
+def command_line_settings(saved: Mapping[str, Any], *, step: int | None, average_last: int | None, best: bool,
+                          nbest: int = 0, **overrides: Any) -> tuple[int, dict[str, Any]]:
+    """One rule for eval.py and transformer.translate: a flag left unset (None) takes the workdir config's decode
+    value (`saved`), average_last included, except that --best restores one checkpoint and averages none.
+    -> (checkpoints to average, decode overrides for trainer.restore); ValueError names a bad flag."""
+    if best and (step is not None or average_last):
+        raise ValueError("--best chooses one checkpoint: it goes with neither --step nor --average_last")
+    if average_last is not None and average_last < 0:
+        raise ValueError(f"--average_last={average_last} must be >= 0")
+    given = {key: value for key, value in overrides.items() if value is not None}
+    known = {field.name for field in dataclasses.fields(DecodeConfig)}
+    try:
+        settings = DecodeConfig(**{**{k: v for k, v in saved.items() if k in known}, **given})
+    except ValueError as error:  # name the flag rather than the config key it overrides
+        message = str(error)
+        for key, value in given.items():
+            message = message.replace(f"decode.{key}={value!r}", f"--{key}={value!r}").replace(
+                f"decode.{key}={value}", f"--{key}={value}")
+        raise ValueError(message) from error
+    settings.check_nbest(nbest)
+    if average_last is None:
+        average_last = 0 if best else int(saved.get("average_last", 0))
+    return average_last, given

@@ -476,7 +476,8 @@ class Run:
             start = time.perf_counter()
             sources, references = zip(*self.corpus.pairs[split])
             hypotheses = decode.translate(search, params, self.corpus.tokenizer, list(sources),
-                                          self.settings.decode.batch_size, self.model_config.position_limit)
+                                          self.settings.decode.batch_size, self.model_config.position_limit,
+                                          batch_sharding=self.batch_sharding)  # every device decodes its rows
             scores[split] = metrics.bleu(hypotheses, list(references), target_lang=self.settings.data.target_lang)
             scores[split]["decode_seconds"] = time.perf_counter() - start
             if self.is_writer:
@@ -607,7 +608,7 @@ class Run:
             iterator.close()  # stops grain's worker processes
         result = {"step": int(self.state.step), "compile_seconds": compile_seconds,
                   "train_seconds": self.train_seconds}
-        if int(self.state.step) not in self.checkpointer.all_steps():
+        if int(self.state.step) != self.checkpointer.last_saved:  # the same answer on every process
             self.save_checkpoint(int(self.state.step), data_state or self.data_state, force=True)
         result["valid"] = self._report_loss(evaluate, writer, progress)
         final = self._score_final_params(search, writer, progress)
@@ -701,7 +702,7 @@ class Run:
         step = int(self.state.step)
         # Only the dev set chooses checkpoints; the test set never does.
         if self.best_checkpointer is not None and "valid" in scores and not prefix \
-                and step not in self.best_checkpointer.all_steps():
+                and step != self.best_checkpointer.last_saved:
             self.best_checkpointer.save(step, {"params": self.state.params}, force=True,
                                         metrics={"valid_bleu": scores["valid"]["bleu"]})
         for split, score in scores.items():

@@ -1,0 +1,76 @@
+"""eval.py and `python -m transformer.translate` on a tiny trained workdir: the decoding flags (--nbest,
+--length_penalty, --max_extra_length) reach the search, both tools take the same defaults from the workdir's
+config, and bad flags fail before anything is restored."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from tiny import TINY_OVERRIDES
+
+from transformer import decode, trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LINES = ["The black cat sleeps in the garden.", "", "Two wolves are sad.", "The cat sleeps.",
+         "A lazy farmer is cooking today.", "Ten sick fathers are without these bears every day.", "The dog."]
+FLAGS = ["--nbest=2", "--beam_size=2", "--length_penalty=fairseq", "--alpha=1.0", "--max_extra_length=2"]
+
+
+def run(*command, stdin=None):
+    return subprocess.run([sys.executable, *command], input=stdin, capture_output=True, text=True, cwd=ROOT,
+                          timeout=600)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A 6-step run (checkpoints 3 and 6) whose config asks for averaging both and batches of 5 sentences; no
+    BLEU at its end (nothing here reads it)."""
+    workdir = tmp_path_factory.mktemp("run") / "demo"
+    overrides = {**TINY_OVERRIDES, "decode.bleu_splits": "", "decode.average_last": 2, "decode.batch_size": 5}
+    result = run(os.path.join(ROOT, "train.py"), f"--workdir={workdir}",
+                 *[f"--config.{key}={value}" for key, value in overrides.items()])
+    assert result.returncode == 0, result.stderr[-3000:]
+    (workdir.parent / "in.txt").write_text("\n".join(LINES) + "\n")
+    return workdir
+
+
+def test_eval_and_translate_write_the_same_nbest_list_with_the_config_defaults(workdir, tmp_path):
+    source = workdir.parent / "in.txt"
+    result = run("eval.py", f"--workdir={workdir}", f"--input={source}", f"--output={tmp_path / 'hyp.txt'}", *FLAGS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [scores] = json.loads((workdir / "eval" / "scores.avg2_step6.json").read_text())
+    assert (scores["averaged_steps"], scores["batch_size"], scores["beam_size"]) == ([3, 6], 5, 2)
+    assert (scores["length_penalty"], scores["alpha"], scores["max_extra_length"]) == ("fairseq", 1.0, 2)
+    assert scores["nbest_output"] == str(tmp_path / "hyp.nbest2.txt")
+    nbest = (tmp_path / "hyp.nbest2.txt").read_text().splitlines()
+    best = (tmp_path / "hyp.txt").read_text().splitlines()
+    # What the same settings decode in this process: the flags reached the search.
+    restored = trainer.restore(str(workdir), average_last=2, decode_overrides=dict(
+        beam_size=2, length_penalty="fairseq", alpha=1.0, max_extra_length=2))
+    search = restored.settings.decode.search_fn(restored.graphdef, restored.settings.seed)
+    found = decode.search_nbest(search, restored.params, restored.tokenizer, LINES, 5, nbest=2)
+    assert nbest == decode.nbest_lines(found, restored.tokenizer)
+    assert best == [restored.tokenizer.decode(h[0].ids) if h else "" for h in found] and best[1] == ""
+    for ids, hypotheses in zip(restored.tokenizer.encode(LINES), found):
+        assert all(len(h.ids) <= len(ids) + 2 for h in hypotheses)  # --max_extra_length=2, not the config's 4
+    assert [line.split(" ||| ")[0] for line in nbest] == ["0", "0", "1", "2", "2", "3", "3", "4", "4", "5", "5", "6",
+                                                          "6"]
+    # translate.py: no --average_last or --batch_size either, the same rule, so the same list.
+    result = run("-m", "transformer.translate", f"--workdir={workdir}", *FLAGS, stdin=source.read_text())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == nbest
+
+
+@pytest.mark.parametrize("tool, flags, message", [
+    ("-m transformer.translate", ["--nbest=3", "--beam_size=2"],
+     "--nbest=3 must be between 0 (off) and decode.beam_size=2"),
+    ("eval.py", ["--max_extra_length=-1"], "--max_extra_length=-1 must be >= 0"),
+])
+def test_bad_decoding_flags_fail_naming_them(workdir, tool, flags, message):
+    shutil.rmtree(workdir / "eval", ignore_errors=True)
+    result = run(*tool.split(), f"--workdir={workdir}", *flags, stdin="A cat.\n")
+    assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
+    assert not (workdir / "eval").exists()
