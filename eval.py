@@ -99,15 +99,12 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; --verbosity=0 shows it
         logging.set_verbosity(logging.WARNING)
-    saved = trainer.load_workdir_config(FLAGS.workdir).decode
     try:
-        average_last, overrides = decode.command_line_settings(
-            saved, step=FLAGS.step, average_last=FLAGS.average_last, best=FLAGS.best, nbest=FLAGS.nbest,
+        restored = trainer.restore_for_command_line(
+            FLAGS.workdir, FLAGS.step, average_last=FLAGS.average_last, best=FLAGS.best, nbest=FLAGS.nbest,
             **{name: FLAGS[name].value for name in decode.COMMAND_LINE_OVERRIDES})
     except ValueError as error:
         raise app.UsageError(str(error)) from error
-    restored = trainer.restore(FLAGS.workdir, FLAGS.step, average_last=average_last, best=FLAGS.best,
-                               decode_overrides=overrides)
     if restored.averaged_steps:
         print(f"averaged the parameters of steps {restored.averaged_steps}")
     # One search for every split: compiled once per input shape (and sampling's call count goes on).

@@ -737,12 +737,16 @@ def agreed_seconds(seconds: float, timed: bool) -> float:
     return float(multihost_utils.broadcast_one_to_all(np.float32(seconds)))
 
 
-def read_run_file(workdir: str) -> dict[str, Any]:
-    path = os.path.join(workdir, RUN_FILE)
+def read_json(path: str) -> dict[str, Any]:
+    """A workdir's JSON record, or {} before it is first written."""
     if not os.path.exists(path):
         return {}
     with open(path, encoding="utf-8") as handle:
         return json.load(handle)
+
+
+def read_run_file(workdir: str) -> dict[str, Any]:
+    return read_json(os.path.join(workdir, RUN_FILE))
 
 
 def recorded_batch(workdir: str) -> BatchShape | None:
@@ -806,11 +810,7 @@ def use_compilation_cache(directory: str, workdir: str) -> None:
 
 def read_reports(workdir: str) -> dict[str, Any]:
     """The train.report_minutes scores an earlier part of the run wrote (workdir/reports.json), by mark."""
-    path = os.path.join(workdir, REPORTS_FILE)
-    if not os.path.exists(path):
-        return {}
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
+    return read_json(os.path.join(workdir, REPORTS_FILE))
 
 
 def previous_train_seconds(workdir: str, start_step: int) -> float:
@@ -939,6 +939,16 @@ def restore(workdir: str, step: int | None = None, *, average_last: int = 0, bes
             checkpointer.close()
     return Restored(settings, model_config, model_graphdef(model_config), params, tokenizer, step,
                     averaged if len(averaged) > 1 else [], best, mesh, sharding.batch_sharding(mesh, mesh_config))
+
+
+def restore_for_command_line(workdir: str, step: int | None, *, average_last: int | None, best: bool, nbest: int,
+                             **decode_flags) -> Restored:
+    """eval.py's and translate's one rule: every decoding flag left unset (None) takes the workdir config's decode
+    value (decode.command_line_settings); a ValueError names a bad flag before anything is restored."""
+    average_last, overrides = decode.command_line_settings(load_workdir_config(workdir).decode, step=step,
+                                                           average_last=average_last, best=best, nbest=nbest,
+                                                           **decode_flags)
+    return restore(workdir, step, average_last=average_last, best=best, decode_overrides=overrides)
 
 
 def eval_mesh(mesh_config: sharding.MeshConfig) -> tuple[sharding.MeshConfig, Any]:

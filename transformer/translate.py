@@ -72,15 +72,12 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
-    saved = trainer.load_workdir_config(FLAGS.workdir).decode
     try:
-        average_last, overrides = decode.command_line_settings(
-            saved, step=FLAGS.step, average_last=FLAGS.average_last, best=FLAGS.best, nbest=FLAGS.nbest,
+        restored = trainer.restore_for_command_line(
+            FLAGS.workdir, FLAGS.step, average_last=FLAGS.average_last, best=FLAGS.best, nbest=FLAGS.nbest,
             **{name: FLAGS[name].value for name in decode.COMMAND_LINE_OVERRIDES})
     except ValueError as error:
         raise app.UsageError(str(error)) from error
-    restored = trainer.restore(FLAGS.workdir, FLAGS.step, average_last=average_last, best=FLAGS.best,
-                               decode_overrides=overrides)
     source = open(FLAGS.input, encoding="utf-8") if FLAGS.input else sys.stdin
     out = open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output else sys.stdout
     try:
