@@ -162,14 +162,19 @@ class Checkpointer:
         self.last_saved = step if saved else self.last_saved
         return saved
 
-    def restore_params(self, abstract_params: PyTree, step: int) -> PyTree:
-        """Only the parameters of `step`, into the shapes and shardings of `abstract_params`: a partial restore
-        that reads neither Adam's moments nor the rest (a third of the state's bytes), from a full state or a
-        params snapshot alike (both hold a `params` subtree)."""
+    def check_params(self, abstract_params: PyTree, step: int) -> None:
+        """Raise, naming the step or the first differing array, unless `step` holds parameters of these shapes."""
         if step not in self.all_steps():
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; found {self.all_steps()}")
         saved = self.manager.item_metadata(step)[STATE_ITEM]
         check_compatible({"params": saved["params"]}, {"params": abstract_params}, self.directory)
+
+    def restore_params(self, abstract_params: PyTree, step: int, *, checked: bool = False) -> PyTree:
+        """Only the parameters of `step`, into the shapes and shardings of `abstract_params`: a partial restore
+        that reads neither Adam's moments nor the rest (a third of the state's bytes), from a full state or a
+        params snapshot alike (both hold a `params` subtree). `checked`: check_params has already passed."""
+        if not checked:
+            self.check_params(abstract_params, step)
         target = {"params": abstract_params}
         args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                       partial_restore=True)
@@ -192,17 +197,13 @@ def average_params(sources: list[tuple[Checkpointer, int]], abstract_params: PyT
     devices in the shardings of `abstract_params`, so that no process holds more than its shards. Every
     checkpoint is found and its shapes checked before any is read."""
     for checkpointer, step in sources:
-        if step not in checkpointer.all_steps():
-            raise FileNotFoundError(f"no checkpoint for step {step} in {checkpointer.directory}; found "
-                                    f"{checkpointer.all_steps()}")
         try:
-            saved = checkpointer.manager.item_metadata(step)[STATE_ITEM]
-            check_compatible({"params": saved["params"]}, {"params": abstract_params}, checkpointer.directory)
+            checkpointer.check_params(abstract_params, step)
         except CheckpointMismatchError as error:
             raise CheckpointMismatchError(f"cannot average step {step}: {error}") from error
     total = None
     for checkpointer, step in sources:
-        params = checkpointer.restore_params(abstract_params, step)
+        params = checkpointer.restore_params(abstract_params, step, checked=True)
         total = params if total is None else _add(total, params)
     return _scale(total, 1.0 / len(sources))
 
