@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from transformer import sharding, trainer
@@ -82,3 +83,24 @@ def test_every_config_starts_on_the_readme_meshes(devices):
         assert all(r["tokens"] == 96 * 256 and r["note"] is None for r in paper)
     else:  # 64 batch ways cannot split 96 rows: 128, said in the note; fsdp 32 x tensor 2 splits 96 whole
         assert {(r["mesh"], r["rows"]) for r in paper} == {("data", 128), ("fsdp", 128), ("fsdp_tensor", 96)}
+
+
+@pytest.mark.slow  # two real compiles at the paper's sizes: about a minute each on 2 cores
+@pytest.mark.parametrize("name", PAPER_CONFIGS)
+def test_the_paper_configs_compile_on_8_devices_with_the_batch_train_py_uses(name, tmp_path):
+    output = tmp_path / "compile.jsonl"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=ROOT)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "benchmark.py"), "--compile_only",
+                             f"--config=configs/{name}.py", "--config.mesh.data=1", "--config.mesh.fsdp=-1",
+                             f"--output={output}"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(output.read_text().splitlines()[-1])
+    assert (record["devices"], record["mesh"]["fsdp"]) == (8, 8)
+    assert (record["batch"], record["source_length"], record["tokens_per_step"]) == (96, 256, 24_576)
+    settings = settings_of(name)
+    assert record["vocab_size"] == settings.data.vocab_size and record["batch_note"] == ""
+    plan, _ = trainer.startup_plan(settings)  # this process's one device: the whole state
+    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(plan.abstract_state(settings.seed)))
+    # fsdp=8: each device's arguments are an eighth of the state plus its rows of the batch, well under a quarter.
+    assert record["memory"]["argument_size_in_bytes"] < 0.25 * state_bytes
