@@ -86,6 +86,10 @@ def get_config() -> ml_collections.ConfigDict:
     train.num_microbatches = 1  # gradient accumulation: split each batch into N sequential slices, one update
     train.compilation_cache_dir = ""  # JAX's persistent compilation cache ("": workdir/compilation_cache; "none": off)
     train.dropout_rng = "counter_hash"  # counter_hash (cheapest) or threefry2x32: same masks on any mesh; rbg | unsafe_rbg
+    # A step whose loss or gradient norm is not finite is caught at the next log or checkpoint step, before any save:
+    # "stop" ends the run naming the step and the last good checkpoint; "skip" leaves such updates out and logs them.
+    train.nonfinite = "stop"
+    train.debug_nans = False  # jax_debug_nans: re-runs the step op by op at the first NaN to name its source (slow)
 
     # Devices: a mesh of (data, fsdp, tensor); one size may be -1 (the remaining devices). Logical axis names
     # of the parameters map to mesh axes by `rules` (transformer/sharding.py): `name=axis[+axis], ...`.

@@ -22,7 +22,7 @@ from transformer import optim
 
 PyTree = Any
 SUM_KEYS = ("loss", "nll", "correct", "denominator", "source_tokens",  # summed over batches and steps
-            "encoder_pairs", "decoder_pairs", "cross_pairs")
+            "encoder_pairs", "decoder_pairs", "cross_pairs", "nonfinite")
 
 
 @flax.struct.dataclass
@@ -210,8 +210,13 @@ def gradients(params: PyTree, batch: dict[str, jax.Array], dropout_key: jax.Arra
 
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
                optimizer: optax.GradientTransformation, schedule: optax.Schedule, label_smoothing: float,
-               num_microbatches: int = 1, rng_impl: str = "counter_hash") -> tuple[TrainState, dict[str, jax.Array]]:
-    """One Adam update on the mean smoothed loss per target token. Dropout key: fold_in(state.rng, step)."""
+               num_microbatches: int = 1, rng_impl: str = "counter_hash", skip_nonfinite: bool = False
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One Adam update on the mean smoothed loss per target token. Dropout key: fold_in(state.rng, step).
+
+    metrics["nonfinite"] is 1 when the loss or the gradient norm is not finite: a flag that stays on the device
+    until the loop's next fetch, so catching it costs no host sync. With skip_nonfinite such an update is not
+    applied (parameters and optimizer state stay as they were; the step count and the data still advance)."""
     dropout_key = jax.random.fold_in(state.rng, state.step)
     grads, metrics = gradients(state.params, batch, dropout_key, graphdef=graphdef, label_smoothing=label_smoothing,
                                num_microbatches=num_microbatches, rng_impl=rng_impl)
@@ -219,9 +224,14 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     metrics.update(attention_pairs(batch))
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics.update(grad_norm=optax.tree.norm(grads), update_norm=optax.tree.norm(updates),
-                   param_norm=optax.tree.norm(params),
-                   learning_rate=optim.learning_rate(schedule, state.step, state.opt_state))
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+    if skip_nonfinite:
+        params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), (params, opt_state),
+                                         (state.params, state.opt_state))
+    metrics.update(grad_norm=grad_norm, update_norm=optax.tree.norm(updates), param_norm=optax.tree.norm(params),
+                   learning_rate=optim.learning_rate(schedule, state.step, state.opt_state),
+                   nonfinite=1 - finite.astype(jnp.int32))
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 

@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from transformer import checkpoint, data, decode, metrics, optim, sharding, throughput
+from transformer import checkpoint, data, decode, loop, metrics, sharding, throughput
 from transformer.metrics import log
 from transformer.checkpoint import Checkpointer, abstract_like
 from transformer.model import ModelConfig, Transformer
@@ -53,10 +53,14 @@ class TrainConfig:
     report_minutes: str = ""  # e.g. "20": at these training minutes also average, decode and score, then go on
     checkpoint_every_minutes: float = 0.0  # also save at the first log step this many training minutes after the last
     compilation_cache_dir: str = ""  # JAX's persistent compilation cache ("": workdir/compilation_cache; "none": off)
+    nonfinite: str = "stop"  # a step with a non-finite loss or gradient norm: "stop" the run, or "skip" its update
+    debug_nans: bool = False  # run with jax_debug_nans, which names the operation that first made a NaN (slow)
 
     def __post_init__(self):
         if self.num_microbatches < 1:
             raise ValueError(f"train.num_microbatches={self.num_microbatches} must be >= 1")
+        if self.nonfinite not in loop.NONFINITE_POLICIES:
+            raise ValueError(f"train.nonfinite={self.nonfinite!r} is not one of {loop.NONFINITE_POLICIES}")
         if self.dropout_rng not in DROPOUT_RNGS:
             raise ValueError(f"train.dropout_rng={self.dropout_rng!r} is not one of {DROPOUT_RNGS}")
         if self.num_train_steps < 0:
@@ -359,7 +363,8 @@ def make_steps(graphdef, optimizer, schedule, train_config: TrainConfig, state_s
     step_kw = dict(graphdef=graphdef, label_smoothing=train_config.label_smoothing)
     train = jax.jit(functools.partial(train_step, optimizer=optimizer, schedule=schedule,
                                       num_microbatches=train_config.num_microbatches,
-                                      rng_impl=train_config.dropout_rng, **step_kw),
+                                      rng_impl=train_config.dropout_rng,
+                                      skip_nonfinite=train_config.nonfinite == "skip", **step_kw),
                     in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None),
                     donate_argnums=0)
     evaluate = jax.jit(functools.partial(eval_step, **step_kw), in_shardings=(state_shardings.params, batch_sharding))
@@ -410,6 +415,8 @@ class Run:
         if note:
             log.warning("%s", note)
         os.makedirs(workdir, exist_ok=True)
+        if settings.train.debug_nans:
+            jax.config.update("jax_debug_nans", True)
         use_compilation_cache(settings.train.compilation_cache_dir, workdir)
         self.corpus = load_corpus(settings, workdir, splits)
         plan = make_plan(settings, self.corpus.tokenizer.vocab_size, self.mesh, self.batch)
@@ -488,155 +495,180 @@ class Run:
         return scores
 
     def train(self) -> dict[str, Any]:
-        settings, train_config = self.settings, self.settings.train
+        """The loop: the next batch, the step, and at a sync step the periodic actions whose turn it is
+        (transformer/loop.py); then the end's save, evaluation and scores. After a stop signal it returns
+        {"preempted": step} instead, with that step's checkpoint committed."""
+        train, evaluate, compile_seconds = self.compile_and_log()
         start_step = int(self.state.step)
-        params = count_params(self.state.params)
-        log.info("model: %s parameters; vocab %d; %d rows x %d tokens per batch", f"{params:,}",
-                     self.model_config.vocab_size, self.batch.rows, self.batch.row_length)
+        iterator = self.train_iterator(start_step)
+        batches = prefetch_to_device(batches_with_states(iterator), self.batch_sharding)
+        self.open_loop(start_step)
+        final_step, data_state, stop = self.cooldown.final_step(), self.data_state, None
+        try:
+            with loop.Preemption() as preemption:
+                for step in range(start_step + 1, final_step + 1):
+                    self.state = self.cooldown.by_steps(self.state, step)
+                    waited = time.perf_counter()
+                    batch, data_state = next(batches)
+                    self.window.input_seconds += time.perf_counter() - waited
+                    self.state, step_metrics = train(self.state, batch)
+                    self.window.add(step_metrics)
+                    preempted = preemption.reached(step)
+                    if preempted or self.sync_due(step, final_step):
+                        self.log_window(step)  # the fetch: raises on a non-finite step, before any save
+                        stop = f"preempted by {preemption.received}" if preempted else self.stop_reason(step, final_step)
+                        if stop or self.timed_checkpoint.due(self.clock.seconds, self.saved_at):
+                            self.save_checkpoint(step, data_state, force=True)
+                        if stop:
+                            break
+                        self.state = self.cooldown.by_time(self.state, step, self.clock.seconds, self.budget,
+                                                           self.pace(step))
+                        if self.marks.due(self.clock.seconds):
+                            self.report_mark(step, data_state)
+                    if step != final_step:  # the final step is evaluated after the loop
+                        with self.clock.paused():  # evaluation does not count as training time
+                            if self.eval_due(step):
+                                self._report_loss(evaluate)
+                            if self.bleu_due(step):
+                                self._report_bleu(["valid"])
+                    self.save_checkpoint(step, data_state)
+        finally:
+            if hasattr(iterator, "close"):
+                iterator.close()  # stops grain's worker processes, on an error or a signal too
+        if stop and stop.startswith("preempted"):
+            return self.finish_preempted(preemption.received)
+        return self.finish(evaluate, compile_seconds, data_state)
+
+    def compile_and_log(self) -> tuple[Any, Any, float]:
+        log.info("model: %s parameters; vocab %d; %d rows x %d tokens per batch", f"{count_params(self.state.params):,}",
+                 self.model_config.vocab_size, self.batch.rows, self.batch.row_length)
         log.info("mesh %s over %d devices (%s) in %d processes", dict(self.mesh.shape), jax.device_count(),
                  jax.devices()[0].device_kind, jax.process_count())
         train, evaluate, compile_seconds = self.compile()
         log.info("compiled train and eval steps in %.1fs", compile_seconds)
-        iterator = self.train_iterator(start_step)
-        batches = prefetch_to_device(batches_with_states(iterator), self.batch_sharding)
-        data_state = None
-        peak_flops = throughput.device_peak_flops(dtype=self.model_config.dtype)
-        writer = metrics.MetricWriter(self.workdir, enabled=self.is_writer, resume_step=start_step)
-        progress = metrics.Progress(train_config.num_train_steps, start_step)
-        search = self.search_fn()
-        pending, last_time, last_step, input_seconds = [], time.perf_counter(), start_step, 0.0
-        self.train_seconds = previous_train_seconds(self.workdir, start_step)  # read by _report_bleu
-        budget_seconds = train_config.max_train_minutes * 60 or float("inf")
-        # The marks an earlier part of this run scored are in workdir/reports.json; a mark it passed without
-        # scoring (stopped in between) is scored at the first check of this part.
-        reports = read_reports(self.workdir) if start_step else {}
-        marks = [m for m in train_config.report_marks if f"{m:g}" not in reports]
-        fraction = self.settings.optimizer.cooldown_fraction
-        # (start, end) steps of the decay once it has begun; restored with the optimizer state, so a resumed run
-        # keeps a decay it had begun, and one that had finished its decay does not train on.
-        self.cooldown_window = optim.cooldown_steps(self.state.opt_state)
-        # The decay begins at the last fraction of num_train_steps or, under a budget, at (1 - fraction) of the
-        # budget, whichever comes first; it is only stored once begun, so num_train_steps may change before.
-        steps_start = train_config.num_train_steps - max(round(fraction * train_config.num_train_steps), 1) + 1
-        timed = budget_seconds < float("inf") or bool(marks) or train_config.checkpoint_every_minutes > 0
-        # ^ decisions on the clock: process 0's, everywhere
-        self.train_seconds = agreed_seconds(self.train_seconds, timed)
-        self.saved_at = self.train_seconds  # the training seconds at the last save (checkpoint_every_minutes)
-        part_start = (start_step, self.train_seconds)  # this part's pace projects a timed decay's end
-        final_step = train_config.num_train_steps
-        if self.cooldown_window:
-            final_step = min(final_step, self.cooldown_window[1])
-        # Under a budget, an extra check at the step where the budget is projected to run out, so that a run stops
-        # within a step of it rather than at the first log step past it (10 steps were 12 s over on Multi30k).
-        budget_check = None
-        for step in range(start_step + 1, final_step + 1):
-            if fraction and self.cooldown_window is None and step >= steps_start:
-                self._begin_cooldown(step, train_config.num_train_steps, progress)
-            waited = time.perf_counter()
-            batch, data_state = next(batches)
-            input_seconds += time.perf_counter() - waited
-            self.state, step_metrics = train(self.state, batch)
-            pending.append(step_metrics)
-            # Also at checkpoint steps: a non-finite state must stop the run before it is saved.
-            if step % train_config.log_every_steps == 0 or step % train_config.checkpoint_every_steps == 0 \
-                    or step == final_step or (self.cooldown_window and step == self.cooldown_window[1]) \
-                    or step == budget_check:
-                summary = summarize(jax.device_get(pending))  # the loop's only host sync
-                now, before = time.perf_counter(), self.train_seconds
-                self.train_seconds = agreed_seconds(self.train_seconds + now - last_time, timed)
-                # On the agreed clock, so every process decides alike: whole steps of this pace the budget has left.
-                step_seconds = (self.train_seconds - before) / max(step - last_step, 1)
-                steps_left = (budget_seconds - self.train_seconds) / max(step_seconds, 1e-9)
-                budget_check = step + int(steps_left) if steps_left < train_config.log_every_steps else None
-                summary["train_seconds"] = self.train_seconds  # training only: no compilation or evaluation
-                # The share of the interval the loop spent getting the next batch: near 1, the run is input-bound.
-                summary["input_wait_fraction"] = input_seconds / max(now - last_time, 1e-9)
-                summary.update(throughput_metrics(summary, self.model_config, now - last_time, step - last_step,
-                                                  peak_flops))
-                if not np.isfinite(summary["loss"]):
-                    raise FloatingPointError(f"non-finite training loss {summary['loss']} at step {step}; "
-                                             f"last checkpoint: {self.checkpointer.latest_step()}")
-                eta = min((train_config.num_train_steps - step) / summary["steps_per_second"],
-                          max(budget_seconds - self.train_seconds, 0.0))
-                writer.write(step, summary, "train")
-                progress.update(step - last_step, summary)
-                progress.write(f"step {step}: loss {summary['loss']:.4f} acc {summary['accuracy']:.3f} "
-                               f"lr {summary['learning_rate']:.2e} grad_norm {summary['grad_norm']:.3f} "
-                               f"{summary['tokens_per_second']:.0f} target tokens/s "
-                               f"({summary['all_tokens_per_second']:.0f} with source), "
-                               f"MFU {summary.get('mfu', float('nan')):.3f}, ETA {eta:.0f}s")
-                pending, last_time, last_step, input_seconds = [], time.perf_counter(), step, 0.0
-                if steps_left < 1:  # spent, or the next step would pass it
-                    progress.write(f"step {step}: the time budget of train.max_train_minutes="
-                                   f"{train_config.max_train_minutes:g} is spent ({self.train_seconds:.0f}s of training"
-                                   f"{'' if steps_left <= 0 else ', less than a step of it left'})")
-                    self.save_checkpoint(step, data_state, force=True)
-                    break
-                if self.cooldown_window and step >= self.cooldown_window[1] and step < final_step:
-                    progress.write(f"step {step}: the cooldown (optimizer.cooldown_fraction={fraction:g}) is "
-                                   f"done ({self.train_seconds:.0f}s of training)")
-                    self.save_checkpoint(step, data_state, force=True)
-                    break
-                if train_config.checkpoint_every_minutes and \
-                        self.train_seconds - self.saved_at >= train_config.checkpoint_every_minutes * 60:
-                    self.save_checkpoint(step, data_state, force=True)  # by time, as the paper's every 10 minutes
-                if fraction and self.train_seconds >= (1 - fraction) * budget_seconds \
-                        and self.cooldown_window is None:
-                    pace = (step - part_start[0]) / max(self.train_seconds - part_start[1], 1e-9)  # steps/s
-                    end = min(step + int((budget_seconds - self.train_seconds) * pace), train_config.num_train_steps)
-                    self._begin_cooldown(step + 1, end, progress)
-                if marks and self.train_seconds >= marks[0] * 60:
-                    self.save_checkpoint(step, data_state, force=True)
-                    paused = time.perf_counter()
-                    progress.write(f"step {step}: train.report_minutes mark reached after "
-                                   f"{self.train_seconds:.0f}s of training")
-                    report = self._score_final_params(search, writer, progress)  # once for all the marks passed
-                    while marks and self.train_seconds >= marks[0] * 60:
-                        reports[f"{marks.pop(0):g}"] = report
-                    self._write_reports(reports)
-                    last_time += time.perf_counter() - paused  # scoring does not count as training time
-            if step != final_step:  # the final step is evaluated after the loop
-                paused = time.perf_counter()
-                if train_config.eval_every_steps and step % train_config.eval_every_steps == 0:
-                    self._report_loss(evaluate, writer, progress)
-                if train_config.bleu_every_steps and step % train_config.bleu_every_steps == 0:
-                    self._report_bleu(search, ["valid"], writer, progress)
-                last_time += time.perf_counter() - paused  # evaluation does not count as training time
-            self.save_checkpoint(step, data_state)
-        progress.close()
-        if hasattr(iterator, "close"):
-            iterator.close()  # stops grain's worker processes
-        result = {"step": int(self.state.step), "compile_seconds": compile_seconds,
-                  "train_seconds": self.train_seconds}
-        if int(self.state.step) != self.checkpointer.last_saved:  # the same answer on every process
-            self.save_checkpoint(int(self.state.step), data_state or self.data_state, force=True)
-        result["valid"] = self._report_loss(evaluate, writer, progress)
-        final = self._score_final_params(search, writer, progress)
+        return train, evaluate, compile_seconds
+
+    def open_loop(self, start_step: int) -> None:
+        """The loop's periodic actions and their state, for a part of the run starting after `start_step`."""
+        config = self.settings.train
+        self.writer = metrics.MetricWriter(self.workdir, enabled=self.is_writer, resume_step=start_step)
+        self.progress = metrics.Progress(config.num_train_steps, start_step)
+        self.search = self.search_fn()
+        self.peak_flops = throughput.device_peak_flops(dtype=self.model_config.dtype)
+        self.window = loop.MetricsWindow(start_step + 1, config.nonfinite)
+        self.budget = loop.TimeBudget(config.max_train_minutes, config.log_every_steps)
+        self.marks = loop.ReportMarks(config.report_marks, read_reports(self.workdir) if start_step else {})
+        self.cooldown = loop.Cooldown(self.settings.optimizer.cooldown_fraction, config.num_train_steps,
+                                      self.state.opt_state, self.progress)
+        self.timed_checkpoint = loop.TimedCheckpoint(config.checkpoint_every_minutes)
+        self.eval_due, self.bleu_due = loop.Every(config.eval_every_steps), loop.Every(config.bleu_every_steps)
+        timed = self.budget.limited or bool(self.marks.marks) or config.checkpoint_every_minutes > 0
+        # The trainer's own clock reading (time.perf_counter looked up at each call), which the tests replace.
+        self.clock = loop.Clock(previous_train_seconds(self.workdir, start_step), timed, now=lambda: time.perf_counter())
+        self.saved_at = self.clock.seconds  # the training seconds at the last save (checkpoint_every_minutes)
+        self.part_start = (start_step, self.clock.seconds)  # this part's pace projects a timed decay's end
+        self.last_step = start_step  # the last fetched step
+
+    @property
+    def train_seconds(self) -> float:
+        return self.clock.seconds
+
+    def sync_due(self, step: int, final_step: int) -> bool:
+        config = self.settings.train
+        return (step % config.log_every_steps == 0 or step % config.checkpoint_every_steps == 0 or step == final_step
+                or self.cooldown.ends_at(step) or step == self.budget.check_step)
+
+    def log_window(self, step: int) -> dict[str, float]:
+        """Fetch the window's metrics, advance the clock and the budget's projection, write the log line."""
+        config = self.settings.train
+        summary = self.window.fetch(last_checkpoint=self.last_checkpoint())
+        before, seconds = self.clock.seconds, self.clock.tick()
+        steps, self.last_step = step - self.last_step, step
+        self.budget.update(step, steps, before, self.clock.seconds)
+        summary["train_seconds"] = self.clock.seconds  # training only: no compilation or evaluation
+        # The share of the window spent getting the next batch: near 1, the run is input-bound.
+        summary["input_wait_fraction"], self.window.input_seconds = self.window.input_seconds / max(seconds, 1e-9), 0.0
+        summary.update(throughput_metrics(summary, self.model_config, seconds, steps, self.peak_flops))
+        eta = min((config.num_train_steps - step) / summary["steps_per_second"], self.budget.left(self.clock.seconds))
+        self.writer.write(step, summary, "train")
+        self.progress.update(steps, summary)
+        skipped = f", {summary['skipped_updates']} non-finite updates skipped" if summary["skipped_updates"] else ""
+        self.progress.write(f"step {step}: loss {summary['loss']:.4f} acc {summary['accuracy']:.3f} "
+                            f"lr {summary['learning_rate']:.2e} grad_norm {summary['grad_norm']:.3f} "
+                            f"{summary['tokens_per_second']:.0f} target tokens/s "
+                            f"({summary['all_tokens_per_second']:.0f} with source), "
+                            f"MFU {summary.get('mfu', float('nan')):.3f}, ETA {eta:.0f}s{skipped}")
+        return summary
+
+    def last_checkpoint(self) -> str:
+        step = self.checkpointer.last_saved
+        return "none" if step is None else f"step {step} in {self.checkpointer.directory}"
+
+    def stop_reason(self, step: int, final_step: int) -> str | None:
+        """Why the run stops at this fetch before its last step (said in the log), or None."""
+        if self.budget.spent():
+            reason = (f"the time budget of train.max_train_minutes={self.settings.train.max_train_minutes:g} is "
+                      f"spent ({self.clock.seconds:.0f}s of training"
+                      f"{'' if self.budget.steps_left <= 0 else ', less than a step of it left'})")
+        elif self.cooldown.done(step, final_step):
+            reason = (f"the cooldown (optimizer.cooldown_fraction={self.cooldown.fraction:g}) is done "
+                      f"({self.clock.seconds:.0f}s of training)")
+        else:
+            return None
+        self.progress.write(f"step {step}: {reason}")
+        return reason
+
+    def pace(self, step: int) -> float:
+        """This part's steps per training second."""
+        return (step - self.part_start[0]) / max(self.clock.seconds - self.part_start[1], 1e-9)
+
+    def report_mark(self, step: int, data_state: bytes | None) -> None:
+        """A train.report_minutes mark: save, then average, decode and score (not counted as training time)."""
+        self.save_checkpoint(step, data_state, force=True)
+        with self.clock.paused():
+            self.progress.write(f"step {step}: train.report_minutes mark reached after {self.clock.seconds:.0f}s of "
+                                "training")
+            self.marks.record(self.clock.seconds, self._score_final_params())
+            self._write_reports(self.marks.reports)
+
+    def finish(self, evaluate, compile_seconds: float, data_state: bytes | None) -> dict[str, Any]:
+        """The end of the run: the last save, the valid loss, the final (averaged) parameters scored, scores.json."""
+        self.progress.close()
+        step = int(self.state.step)
+        result = {"step": step, "compile_seconds": compile_seconds, "train_seconds": self.clock.seconds}
+        if step != self.checkpointer.last_saved:  # the same answer on every process
+            self.save_checkpoint(step, data_state or self.data_state, force=True)
+        result["valid"] = self._report_loss(evaluate)
+        final = self._score_final_params()
         if final["averaged_steps"]:
             result["averaged_steps"] = final["averaged_steps"]
         result["bleu"] = final["bleu"]
-        # Marks passed in the same check as the budget: the end's scores are theirs.
-        for mark in [m for m in marks if self.train_seconds >= m * 60]:
-            reports[f"{mark:g}"] = final
-        if reports:
-            result["reports"] = reports
-            self._write_reports(reports)
-        for checkpointer in (self.checkpointer, self.snapshots, self.best_checkpointer):
-            if checkpointer is not None:
-                checkpointer.wait()
-                checkpointer.close()
-        writer.close()
+        self.marks.record(self.clock.seconds, final)  # marks passed in the same fetch as the budget: the end's scores
+        if self.marks.reports:
+            result["reports"] = self.marks.reports
+            self._write_reports(self.marks.reports)
+        self.close_checkpointers()
+        self.writer.close()
         if self.is_writer:
             with open(os.path.join(self.workdir, "scores.json"), "w", encoding="utf-8") as handle:
                 json.dump(result, handle, indent=2)
         return result
 
-    def _begin_cooldown(self, start: int, end: int, progress) -> None:
-        self.state = self.state.replace(opt_state=optim.begin_cooldown(self.state.opt_state, start, end))
-        self.cooldown_window = start, end = optim.cooldown_steps(self.state.opt_state)  # as stored (end >= start)
-        progress.write(f"cooldown: the learning rate decays linearly from step {start} to step {end}, which gets "
-                       f"1/{end - start + 1} of the schedule (optimizer.cooldown_fraction="
-                       f"{self.settings.optimizer.cooldown_fraction:g})")
+    def finish_preempted(self, received: str) -> dict[str, Any]:
+        """After a stop signal: the step's checkpoint committed, the logs closed, one line naming the step."""
+        self.progress.close()
+        self.close_checkpointers()  # waits until every save is committed
+        self.writer.close()
+        step = int(self.state.step)
+        log.warning("%s: stopped at step %d with its checkpoint committed in %s; run the same command to resume "
+                    "(exit status %d)", received, step, self.checkpointer.directory, loop.EXIT_PREEMPTED)
+        return {"preempted": step, "signal": received}
+
+    def close_checkpointers(self) -> None:
+        for checkpointer in (self.checkpointer, self.snapshots, self.best_checkpointer):
+            if checkpointer is not None:
+                checkpointer.wait()
+                checkpointer.close()
 
     def save_checkpoint(self, step: int, data_state: bytes | None, force: bool = False) -> None:
         """The train state (and data state) at checkpoint steps, with a params snapshot when averaging needs one."""
@@ -660,13 +692,12 @@ class Run:
         log.info("averaging the parameters of the checkpoints of steps %s", steps)
         return self.snapshots.average_params(abstract, steps), steps
 
-    def _score_final_params(self, search, writer, progress) -> dict[str, Any]:
+    def _score_final_params(self) -> dict[str, Any]:
         """What the end of the run reports, also at each train.report_minutes mark: the mean of the last
         checkpoints (final_params), decoded and scored on decode.bleu_splits. Nothing here feeds back into
         training, so scoring the test split at a mark is as safe as at the end."""
         params, averaged = self.final_params()
-        bleu = self._report_bleu(search, self.settings.decode.splits, writer, progress, params=params,
-                                 prefix="avg_" if averaged else "")
+        bleu = self._report_bleu(self.settings.decode.splits, params=params, prefix="avg_" if averaged else "")
         return {"step": int(self.state.step), "train_seconds": self.train_seconds, "averaged_steps": averaged,
                 "bleu": bleu}
 
@@ -689,16 +720,15 @@ class Run:
                 next(iterator)
         return iterator
 
-    def _report_loss(self, evaluate, writer, progress) -> dict[str, float]:
+    def _report_loss(self, evaluate) -> dict[str, float]:
         scores, step = self.evaluate_loss(evaluate), int(self.state.step)
-        writer.write(step, scores, "valid")
-        progress.write(f"step {step}: valid loss {scores['loss']:.4f} accuracy {scores['accuracy']:.3f} "
+        self.writer.write(step, scores, "valid")
+        self.progress.write(f"step {step}: valid loss {scores['loss']:.4f} accuracy {scores['accuracy']:.3f} "
                        f"perplexity {scores['perplexity']:.2f}")
         return scores
 
-    def _report_bleu(self, search, splits, writer, progress, params=None, prefix: str = ""
-                     ) -> dict[str, dict[str, Any]]:
-        scores = self.evaluate_bleu(search, splits, params, prefix)
+    def _report_bleu(self, splits: list[str], params=None, prefix: str = "") -> dict[str, dict[str, Any]]:
+        scores = self.evaluate_bleu(self.search, splits, params, prefix)
         step = int(self.state.step)
         # Only the dev set chooses checkpoints; the test set never does.
         if self.best_checkpointer is not None and "valid" in scores and not prefix \
@@ -706,9 +736,9 @@ class Run:
             self.best_checkpointer.save(step, {"params": self.state.params}, force=True,
                                         metrics={"valid_bleu": scores["valid"]["bleu"]})
         for split, score in scores.items():
-            writer.write(step, {"bleu": score["bleu"], "decode_seconds": score["decode_seconds"],
-                                "train_seconds": self.train_seconds}, f"{prefix}{split}_bleu")
-            progress.write(f"step {step}: {prefix}{split} BLEU {score['bleu']:.2f} ({score['signature']}), "
+            self.writer.write(step, {"bleu": score["bleu"], "decode_seconds": score["decode_seconds"],
+                                     "train_seconds": self.train_seconds}, f"{prefix}{split}_bleu")
+            self.progress.write(f"step {step}: {prefix}{split} BLEU {score['bleu']:.2f} ({score['signature']}), "
                            f"decoded in {score['decode_seconds']:.1f}s")
         return scores
 
@@ -722,19 +752,12 @@ RESUMABLE_CHANGES = ("train.num_train_steps", "train.log_every_steps", "train.ev
                      "train.bleu_every_steps", "train.checkpoint_every_steps", "train.keep_checkpoints",
                      "train.async_checkpointing", "decode.", "mesh.", "train.num_microbatches",
                      "train.keep_best_checkpoint", "train.max_train_minutes", "train.report_minutes",
-                     "train.dropout_rng", "train.checkpoint_every_minutes", "train.compilation_cache_dir")  # the masks change from the resumed step on, as with num_microbatches
+                     "train.dropout_rng",  # the masks change from the resumed step on, as with num_microbatches
+                     "train.checkpoint_every_minutes", "train.compilation_cache_dir", "train.nonfinite",
+                     "train.debug_nans")
 # Keys a workdir's config.json may lack, with the value such a run actually used where it differs from today's
 # default (field_default): dropout masks came from threefry before train.dropout_rng existed.
 LEGACY_DEFAULTS = {"train.dropout_rng": "threefry2x32"}
-
-
-def agreed_seconds(seconds: float, timed: bool) -> float:
-    """Process 0's training clock, on every process, when something is decided on it (timed: the time budget,
-    the report marks, the cooldown): processes that decided differently would part ways at the next collective."""
-    if jax.process_count() == 1 or not timed:
-        return seconds
-    from jax.experimental import multihost_utils
-    return float(multihost_utils.broadcast_one_to_all(np.float32(seconds)))
 
 
 def read_json(path: str) -> dict[str, Any]:

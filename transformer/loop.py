@@ -1,0 +1,278 @@
+"""The training loop's periodic actions: each is a small object with its own trigger, and `Run.train` calls them
+in order (in the spirit of clu's periodic actions).
+
+A step is a *sync step* when a log, a checkpoint, the last step, the cooldown's end, the time budget's projected
+end or a preemption falls on it. Only there are the metrics fetched from the devices (the loop's one host sync),
+and every save happens at a sync step after that fetch, so a non-finite step is caught before anything is saved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from transformer import optim
+from transformer.metrics import log
+from transformer.steps import summarize
+
+# EX_TEMPFAIL from sysexits.h: a requeue script re-runs the same command on this status, which resumes the run.
+EXIT_PREEMPTED = 75
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+def agreed_seconds(seconds: float, timed: bool) -> float:
+    """Process 0's training clock, on every process, when something is decided on it (timed: the time budget,
+    the report marks, the cooldown): processes that decided differently would part ways at the next collective."""
+    if jax.process_count() == 1 or not timed:
+        return seconds
+    from jax.experimental import multihost_utils
+    return float(multihost_utils.broadcast_one_to_all(np.float32(seconds)))
+
+
+class Every:
+    """Due at every multiple of `steps` (never when 0)."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def __call__(self, step: int) -> bool:
+        return bool(self.steps) and step % self.steps == 0
+
+
+class Clock:
+    """Training seconds: the loop's wall time less what runs `paused` (evaluation, scoring), counting from the
+    seconds an earlier part of the run spent; agreed over processes when `timed` decisions depend on it."""
+
+    def __init__(self, seconds: float, timed: bool, now=time.perf_counter):
+        self.timed, self.now = timed, now
+        self.seconds = agreed_seconds(seconds, timed)
+        self.mark = now()
+
+    def tick(self) -> float:
+        """Move the clock to now; returns the wall seconds since the last tick (a logging window's length)."""
+        now = self.now()
+        elapsed, self.mark = now - self.mark, now
+        self.seconds = agreed_seconds(self.seconds + elapsed, self.timed)
+        return elapsed
+
+    @contextlib.contextmanager
+    def paused(self):
+        start = self.now()
+        try:
+            yield
+        finally:
+            self.mark += self.now() - start
+
+
+class NonFiniteError(FloatingPointError):
+    """A step whose loss or gradient norm was not finite, under train.nonfinite=stop."""
+
+
+class MetricsWindow:
+    """The metrics of the steps since the last fetch, left on the devices until a sync step fetches them.
+
+    A step's `nonfinite` flag is read here: under "stop" the first such step raises NonFiniteError (before the
+    caller saves anything); under "skip" its update was not applied on the device, and the window's summary
+    counts it (`skipped_updates`) and leaves it out of the averages."""
+
+    def __init__(self, first_step: int, policy: str = "stop"):
+        if policy not in NONFINITE_POLICIES:
+            raise ValueError(f"train.nonfinite={policy!r} is not one of {NONFINITE_POLICIES}")
+        self.policy, self.first_step = policy, first_step
+        self.pending: list[dict[str, Any]] = []
+        self.input_seconds = 0.0  # spent waiting for the next batch in this window
+        self.skipped = 0  # non-finite updates skipped so far in this part of the run
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def add(self, step_metrics: dict[str, Any]) -> None:
+        self.pending.append(step_metrics)
+
+    def fetch(self, last_checkpoint: str) -> dict[str, float]:
+        """The window's summary; resets the window. `last_checkpoint` names the last good checkpoint for the error."""
+        fetched = jax.device_get(self.pending)  # the loop's only host sync
+        bad = [(self.first_step + i, m) for i, m in enumerate(fetched) if m.get("nonfinite", 0)]
+        if bad and self.policy == "stop":
+            step, values = bad[0]
+            loss = float(values["loss"]) / max(float(values["denominator"]), 1.0)
+            what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {float(values['grad_norm'])}"
+            raise NonFiniteError(
+                f"non-finite training {what} at step {step} (loss {loss:.4g}, gradient norm "
+                f"{float(values['grad_norm']):.4g}); nothing was saved after it; last good checkpoint: "
+                f"{last_checkpoint}. train.nonfinite=skip skips such updates; train.debug_nans=true finds the "
+                "operation that made it")
+        good = [m for _, m in enumerate(fetched) if not m.get("nonfinite", 0)]
+        summary = summarize(good or fetched)
+        summary["skipped_updates"] = len(bad)
+        self.skipped += len(bad)
+        self.first_step += len(fetched)
+        self.pending = []
+        return summary
+
+
+class TimeBudget:
+    """train.max_train_minutes: stop within a step of the budget. At each fetch it projects from the window's pace
+    how many whole steps are left; with fewer than a log interval left it asks for a fetch at the step where it
+    runs out (`check_step`), rather than at the first log step past it."""
+
+    def __init__(self, minutes: float, log_every_steps: int):
+        self.seconds = minutes * 60 or math.inf
+        self.log_every_steps = log_every_steps
+        self.steps_left = math.inf
+        self.check_step: int | None = None
+
+    @property
+    def limited(self) -> bool:
+        return self.seconds < math.inf
+
+    def update(self, step: int, steps: int, seconds_before: float, seconds_now: float) -> None:
+        """After a window of `steps` steps ending at `step` that took the clock from seconds_before to seconds_now
+        (the agreed clock, so every process decides alike)."""
+        step_seconds = (seconds_now - seconds_before) / max(steps, 1)
+        self.steps_left = (self.seconds - seconds_now) / max(step_seconds, 1e-9)
+        self.check_step = step + int(self.steps_left) if self.steps_left < self.log_every_steps else None
+
+    def spent(self) -> bool:
+        """Spent, or the next step would pass it."""
+        return self.steps_left < 1
+
+    def left(self, seconds: float) -> float:
+        return max(self.seconds - seconds, 0.0)
+
+
+class Cooldown:
+    """optimizer.cooldown_fraction: the learning rate's linear decay over the last fraction of the run. It begins
+    at the last fraction of num_train_steps or, under a time budget, at (1 - fraction) of the budget, whichever
+    comes first. The (start, end) window lives in the optimizer state once begun, so a resumed run keeps a decay it
+    had begun, and num_train_steps may still change before it begins."""
+
+    def __init__(self, fraction: float, num_train_steps: int, opt_state: Any, progress):
+        self.fraction, self.num_train_steps, self.progress = fraction, num_train_steps, progress
+        self.window = optim.cooldown_steps(opt_state)
+        self.steps_start = num_train_steps - max(round(fraction * num_train_steps), 1) + 1
+
+    def final_step(self) -> int:
+        """A run that had finished its decay does not train on."""
+        return min(self.num_train_steps, self.window[1]) if self.window else self.num_train_steps
+
+    def by_steps(self, state, step: int):
+        """The state, with the decay begun if `step` is where the step count starts it."""
+        if self.fraction and self.window is None and step >= self.steps_start:
+            return self._begin(state, step, self.num_train_steps)
+        return state
+
+    def by_time(self, state, step: int, seconds: float, budget: TimeBudget, pace: float):
+        """The state, with the decay begun at the next step if (1 - fraction) of the budget is spent: it ends where
+        this part's `pace` (steps per second) projects the budget's end."""
+        if self.fraction and self.window is None and budget.limited and seconds >= (1 - self.fraction) * budget.seconds:
+            end = min(step + int(budget.left(seconds) * pace), self.num_train_steps)
+            return self._begin(state, step + 1, end)
+        return state
+
+    def ends_at(self, step: int) -> bool:
+        return bool(self.window) and step == self.window[1]
+
+    def done(self, step: int, final_step: int) -> bool:
+        """The decay has ended before the run's last step (a timed decay): the run stops here."""
+        return bool(self.window) and self.window[1] <= step < final_step
+
+    def _begin(self, state, start: int, end: int):
+        state = state.replace(opt_state=optim.begin_cooldown(state.opt_state, start, end))
+        self.window = start, end = optim.cooldown_steps(state.opt_state)  # as stored (end >= start)
+        self.progress.write(f"cooldown: the learning rate decays linearly from step {start} to step {end}, which "
+                            f"gets 1/{end - start + 1} of the schedule (optimizer.cooldown_fraction="
+                            f"{self.fraction:g})")
+        return state
+
+
+class ReportMarks:
+    """train.report_minutes: at these training minutes also average, decode and score. The marks an earlier part of
+    the run scored are in `reports`; a mark it passed without scoring (stopped in between) is scored at the first
+    fetch of this part."""
+
+    def __init__(self, marks: list[float], reports: dict[str, Any]):
+        self.reports = reports
+        self.marks = [m for m in marks if f"{m:g}" not in reports]
+
+    def due(self, seconds: float) -> bool:
+        return bool(self.marks) and seconds >= self.marks[0] * 60
+
+    def record(self, seconds: float, report: dict[str, Any]) -> None:
+        """One scoring serves every mark passed by now."""
+        while self.due(seconds):
+            self.reports[f"{self.marks.pop(0):g}"] = report
+
+
+class TimedCheckpoint:
+    """train.checkpoint_every_minutes: a save at the first fetch that many training minutes after the last save."""
+
+    def __init__(self, minutes: float):
+        self.seconds = minutes * 60
+
+    def due(self, seconds: float, saved_at: float) -> bool:
+        return bool(self.seconds) and seconds - saved_at >= self.seconds
+
+
+def _preemption_service() -> bool:
+    """Whether JAX's preemption service runs here (jax.distributed initialized with it): it owns SIGTERM then."""
+    from jax._src import distributed  # the public API has no query for it; the sync point raises without it
+    return distributed.global_state.preemption_sync_manager is not None
+
+
+class Preemption:
+    """SIGTERM or SIGINT during the loop: the current step finishes, the loop saves a checkpoint, waits for it to be
+    committed and exits with EXIT_PREEMPTED. A second signal exits at once (Orbax commits a checkpoint by renaming
+    it whole, so an interrupted save leaves the previous one intact). Outside the loop (start-up, compiling, the
+    final evaluation) the signals keep their usual effect: nothing there would be lost.
+
+    With several processes under jax.distributed, JAX's preemption service owns SIGTERM (the cluster's notice) and
+    agrees on one step for every host (multihost_utils.reached_preemption_sync_point); SIGINT is handed to it as a
+    SIGTERM. Without that service (a single process) our own handler sets the flag."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self.service = jax.process_count() > 1 and _preemption_service()
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "Preemption":
+        if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+            for signum in (signal.SIGINT,) if self.service else (signal.SIGTERM, signal.SIGINT):
+                self.previous[signum] = signal.signal(signum, self._handle)
+        elif jax.process_count() == 1:
+            log.warning("training outside the main thread: SIGTERM and SIGINT stop the run without a checkpoint")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            os.write(2, f"{name} again: exiting at once; the last committed checkpoint is kept\n".encode())
+            os._exit(128 + signum)
+        self.received = name
+        os.write(2, f"{name}: finishing this step, then saving a checkpoint and exiting ({name} again: exit at "
+                    f"once)\n".encode())
+        if self.service:
+            os.kill(os.getpid(), signal.SIGTERM)  # JAX's service agrees the step with the other hosts
+
+    def reached(self, step: int) -> bool:
+        """Whether the loop stops after `step` (every host gets the same answer for the same step)."""
+        if self.service:
+            from jax.experimental import multihost_utils
+            if multihost_utils.reached_preemption_sync_point(step):
+                self.received = self.received or "a preemption notice"
+                return True
+            return False
+        return self.received is not None
