@@ -8,7 +8,11 @@ the best on the dev set; decode with the config's search (or --beam_size/--alpha
     python eval.py --workdir=runs/base --split=valid --nbest=4 --length_penalty=fairseq --alpha=1.0
 
 Every decoding flag left unset takes the workdir config's decode value, as in `python -m transformer.translate`.
-Decoding splits each batch over every device (transformer/decode.py).
+Decoding splits each batch over every device (transformer/decode.py). Each evaluation writes its own files under
+workdir/eval/, named by what it decoded, the model and the search: `<split>.<model>.<search>.txt` and
+`scores.<splits or input file>.<model>.<search>.json` (e.g. scores.valid+test.step750.greedy-extra50.json), each
+written whole or not at all; it reads only committed checkpoints, so it can run beside train.py on the same
+workdir. Exit status: 0 done, 1 an error printed as `error: <message>` (--traceback for its traceback).
 """
 
 import json
@@ -18,7 +22,7 @@ import time
 import jax
 from absl import app, flags, logging
 
-from transformer import data, decode, metrics, sources, trainer
+from transformer import data, decode, errors, metrics, sources, trainer
 
 flags.DEFINE_string("workdir", None, "A directory written by train.py.", required=True)
 flags.DEFINE_integer("step", None, "Checkpoint step to restore (default: the latest).")
@@ -28,6 +32,8 @@ flags.DEFINE_string("reference", None, "With --input: a line-aligned file of ref
 flags.DEFINE_string("output", None, "With --input: where to write the translations (default: workdir/eval/).")
 flags.DEFINE_integer("batch_size", None, "Sentences per decoding batch, rounded up to whole rows per device "
                      "(default: the config's decode.batch_size).")
+flags.DEFINE_integer("max_tokens_per_batch", None, "At most this many sentences x padded source length per decoding "
+                     "batch; 0: no budget (default: the config's decode.max_tokens_per_batch).")
 flags.DEFINE_integer("average_last", None, "Average the parameters of the last N checkpoints up to --step "
                      "(default: the config's decode.average_last, none with --best; 0 or 1: no averaging).")
 flags.DEFINE_bool("best", False, "Restore the checkpoint of the best dev BLEU (workdir/best_checkpoint).")
@@ -51,10 +57,22 @@ def read_lines(path: str) -> list[str]:
         raise sources.DataError(f"cannot read {path}: {error}") from error
 
 
-def write_lines(path: str, lines: list[str]) -> None:
+def write_atomically(path: str, text: str) -> None:
+    """Write `text` to a temporary file beside `path` (one per process), then rename it over `path`: a reader, or
+    a kill, never sees half a file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.writelines(line + "\n" for line in lines)
+    temporary = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(temporary, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):  # the write or the rename failed
+            os.unlink(temporary)
+
+
+def write_lines(path: str, lines: list[str]) -> None:
+    write_atomically(path, "".join(line + "\n" for line in lines))
 
 
 def nbest_path(output_path: str, nbest: int) -> str:
@@ -64,52 +82,59 @@ def nbest_path(output_path: str, nbest: int) -> str:
 
 def evaluate(restored: trainer.Restored, search: decode.Search, name: str, source_sentences: list[str],
              references: list[str] | None, output_path: str, nbest: int = 0) -> dict:
-    """Decode (the best hypothesis, and with nbest the n-best list too), write, score."""
+    """Decode (the best hypothesis, and with nbest the n-best list too), write, score. Sources longer than the
+    bound are cut to it (one warning naming `name`), still scored, and counted in the result's inputs_cut."""
     settings = restored.settings.decode
+    bound = settings.input_bound(restored.settings.data.max_length, restored.model_config.position_limit)
     start = time.perf_counter()
-    found = decode.search_hypotheses(search, restored.params, restored.tokenizer, source_sentences,
-                                     settings.batch_size, restored.model_config.position_limit,
-                                     batch_sharding=restored.batch_sharding)
+    decoded = decode.search_sentences(search, restored.params, restored.tokenizer, source_sentences,
+                                      settings.batch_size, bound, name=name,
+                                      max_tokens_per_batch=settings.max_tokens_per_batch,
+                                      batch_sharding=restored.batch_sharding)
     seconds = time.perf_counter() - start  # includes the compilation of each new input shape
-    ids = [hypotheses[0].ids if hypotheses else [] for hypotheses in found]
+    ids = decoded.best_ids()
     hypotheses = [restored.tokenizer.decode(x) for x in ids]
     write_lines(output_path, hypotheses)
     output_tokens = sum(len(x) for x in ids)
     result = {"name": name, "model": restored.name, "step": restored.step, "averaged_steps": restored.averaged_steps,
-              "beam_size": settings.beam_size, "alpha": settings.alpha, "length_penalty": settings.length_penalty,
-              "max_extra_length": settings.max_extra_length, "batch_size": settings.batch_size,
-              "devices": jax.device_count(), "sentences": len(hypotheses), "output": output_path,
-              "decode_seconds": seconds, "sentences_per_second": len(hypotheses) / max(seconds, 1e-9),
-              "output_tokens": output_tokens, "tokens_per_second": output_tokens / max(seconds, 1e-9)}
+              "search": settings.search_tag, "beam_size": settings.beam_size, "alpha": settings.alpha,
+              "length_penalty": settings.length_penalty, "max_extra_length": settings.max_extra_length,
+              "batch_size": settings.batch_size, "max_tokens_per_batch": settings.max_tokens_per_batch,
+              "max_input_length": bound, "inputs_cut": decoded.cut, "devices": jax.device_count(),
+              "sentences": len(hypotheses), "output": output_path, "decode_seconds": seconds,
+              "sentences_per_second": len(hypotheses) / max(seconds, 1e-9), "output_tokens": output_tokens,
+              "tokens_per_second": output_tokens / max(seconds, 1e-9)}
     if nbest:
         result["nbest"], result["nbest_output"] = nbest, nbest_path(output_path, nbest)
-        write_lines(result["nbest_output"], decode.nbest_lines([h[:nbest] for h in found], restored.tokenizer))
+        write_lines(result["nbest_output"], decode.nbest_lines([h[:nbest] for h in decoded.hypotheses],
+                                                               restored.tokenizer))
     if references is not None:
         result.update(metrics.all_scores(hypotheses, references, target_lang=restored.settings.data.target_lang))
         print(f"{name} BLEU {result['bleu']:.2f}  {result['signature']}")
         print(f"{name} chrF {result['chrf']:.2f}  {result['chrf_signature']}")
         print(f"{name} paper BLEU (tokenized, compound-split) {result['paper_bleu']:.2f}")
+    cut = f"; {decoded.cut} cut to {bound} tokens" if decoded.cut else ""
     print(f"{name}: {len(hypotheses)} sentences in {seconds:.1f}s ({result['sentences_per_second']:.1f} sentences/s, "
-          f"{result['tokens_per_second']:.0f} tokens/s)")
+          f"{result['tokens_per_second']:.0f} tokens/s{cut})")
     return result
 
 
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        raise errors.ConfigError(f"unexpected arguments {argv[1:]}: every option is a --flag=value")
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; --verbosity=0 shows it
         logging.set_verbosity(logging.WARNING)
-    try:
+    with errors.as_config_error():  # a bad flag or saved setting is named before anything is restored
         restored = trainer.restore_for_command_line(
             FLAGS.workdir, FLAGS.step, average_last=FLAGS.average_last, best=FLAGS.best, nbest=FLAGS.nbest,
             **{name: FLAGS[name].value for name in decode.COMMAND_LINE_OVERRIDES})
-    except ValueError as error:
-        raise app.UsageError(str(error)) from error
     if restored.averaged_steps:
         print(f"averaged the parameters of steps {restored.averaged_steps}")
     # One search for every split: compiled once per input shape (and sampling's call count goes on).
     search = restored.settings.decode.search_fn(restored.graphdef, restored.settings.seed, scores=FLAGS.nbest > 0)
     out_dir = os.path.join(FLAGS.workdir, "eval")
+    # What was decoded, by which model and search: another evaluation of the same model writes other files.
+    tag = f"{restored.name}.{restored.settings.decode.search_tag}"
     results = []
     if FLAGS.input:
         source_sentences, references = read_lines(FLAGS.input), None
@@ -118,20 +143,20 @@ def main(argv):
             if len(references) != len(source_sentences):
                 raise sources.DataError(f"{len(source_sentences)} lines in --input={FLAGS.input} but "
                                         f"{len(references)} lines in --reference={FLAGS.reference}")
-        output = FLAGS.output or os.path.join(out_dir, f"{os.path.basename(FLAGS.input)}.{restored.name}.txt")
+        evaluated = os.path.basename(FLAGS.input)
+        output = FLAGS.output or os.path.join(out_dir, f"{evaluated}.{tag}.txt")
         results.append(evaluate(restored, search, FLAGS.input, source_sentences, references, output, FLAGS.nbest))
     else:
+        evaluated = "+".join(FLAGS.split)
         for split in FLAGS.split:
             pairs = data.read_split(restored.settings.data, split)
-            output = os.path.join(out_dir, f"{split}.{restored.name}.txt")
+            output = os.path.join(out_dir, f"{split}.{tag}.txt")
             results.append(evaluate(restored, search, split, [s for s, _ in pairs], [t for _, t in pairs], output,
                                     FLAGS.nbest))
-    os.makedirs(out_dir, exist_ok=True)
-    scores_path = os.path.join(out_dir, f"scores.{restored.name}.json")
-    with open(scores_path, "w", encoding="utf-8") as handle:
-        json.dump(results, handle, indent=2)
+    scores_path = os.path.join(out_dir, f"scores.{evaluated}.{tag}.json")
+    write_atomically(scores_path, json.dumps(results, indent=2))
     print(f"wrote {scores_path}")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(errors.main_with_messages(main))

@@ -1,17 +1,25 @@
 """Train the Transformer: `python train.py --workdir=runs/demo [--config=configs/default.py] [--config.x.y=z]`.
 
-Starting again on a workdir with checkpoints resumes the run from the latest one.
+Starting again on a workdir with checkpoints resumes the run from the latest one. Exit status: 0 done, 1 an error
+printed as `error: <message>` (--traceback for its traceback), 75 preempted (run the same command to resume);
+see transformer/errors.py.
 """
 
 import os
+import sys
 
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from transformer import config_files, sharding, trainer
+from transformer import config_files, errors, loop, sharding, trainer
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.py")
+if __name__ == "__main__":
+    # Before DEFINE_config_file: without --config it applies the --config.* overrides at once, and an unknown key
+    # would end in ml_collections' traceback rather than a message naming the nearest keys.
+    with errors.messages():
+        config_files.resolve_sys_argv(DEFAULT_CONFIG)
 config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Config file (any field overridable).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, vocabulary, logs and scores.", required=True)
 # Multi-host: all three, or none to detect SLURM / a TPU pod slice / Open MPI from the environment.
@@ -25,15 +33,18 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; --verbosity=0 shows it
         logging.set_verbosity(logging.WARNING)
+    with errors.as_config_error():  # every setting is checked before the devices or the workdir are touched
+        trainer.Settings.from_config(flags.FLAGS.config)
     sharding.initialize_distributed(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
                                     flags.FLAGS.process_id)
     result = trainer.Run(flags.FLAGS.config, flags.FLAGS.workdir).train()
+    if "preempted" in result:  # the trainer has said which step it committed
+        sys.exit(loop.EXIT_PREEMPTED)
     if jax.process_index() != 0:
         return
-    for split, score in result["bleu"].items():
+    for split, score in result.get("bleu", {}).items():  # a preempted run scored nothing
         print(f"{split} BLEU {score['bleu']:.2f}  {score['signature']}")
 
 
 if __name__ == "__main__":
-    config_files.resolve_sys_argv()  # before absl parses --config: found here or in the installed configs
-    app.run(main)
+    app.run(errors.main_with_messages(main))

@@ -1,6 +1,7 @@
 import gzip
 import logging
 import os
+import re
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ import pytest
 from transformer import data, sharding
 from transformer.sources import DataError
 from transformer.tokenizer import EOS_ID, Tokenizer, VocabularyError, train_tokenizer
+from transformer.workdir import VocabularyMismatchError, fingerprint
 
 
 def examples_of(lengths):
@@ -330,12 +332,14 @@ def test_a_workdir_vocabulary_of_another_size_is_refused(tokenizer, tmp_path):
 
 
 def test_a_given_vocabulary_is_used_as_it_is_and_a_foreign_one_is_refused(tokenizer, tmp_path):
-    """data.vocab_path: an existing model is loaded whatever data.vocab_size says, and nothing is trained in the
-    workdir; a model with sentencepiece's own ids (pad -1, eos 2) would break every mask, so it is refused."""
+    """data.vocab_path: an existing model is loaded whatever data.vocab_size says and copied whole into the
+    workdir, nothing trained; a model with sentencepiece's own ids (pad -1, eos 2) would break every mask, so it
+    is refused before it enters the workdir."""
     config = data.DataConfig(vocab_path=tokenizer.path, vocab_size=500)
     loaded = data.load_or_train_tokenizer(config, [], str(tmp_path / "workdir"))
-    assert loaded.path == tokenizer.path and loaded.vocab_size == 300
-    assert not (tmp_path / "workdir" / "vocab.model").exists()
+    assert loaded.path == str(tmp_path / "workdir" / "vocab.model") and loaded.vocab_size == 300
+    assert (tmp_path / "workdir" / "vocab.model").read_bytes() == open(tokenizer.path, "rb").read()
+    assert os.listdir(tmp_path / "workdir") == ["vocab.model"]  # no temporary file left beside it
     with pytest.raises(DataError, match="data.vocab_path=.*missing.model does not exist"):
         data.load_or_train_tokenizer(data.DataConfig(vocab_path=str(tmp_path / "missing.model")), [], str(tmp_path))
     import sentencepiece as spm
@@ -345,6 +349,23 @@ def test_a_given_vocabulary_is_used_as_it_is_and_a_foreign_one_is_refused(tokeni
                                    minloglevel=2)  # sentencepiece's defaults: unk 0, bos 1, eos 2, no pad
     with pytest.raises(VocabularyError, match=r"pad_id=-1, eos_id=2; this project needs pad_id=0, eos_id=1"):
         Tokenizer(str(foreign) + ".model")
+    with pytest.raises(VocabularyError, match="pad_id=-1"):
+        data.load_or_train_tokenizer(data.DataConfig(vocab_path=str(foreign) + ".model"), [], str(tmp_path / "other"))
+    assert not (tmp_path / "other" / "vocab.model").exists()
+
+
+def test_a_given_vocabulary_is_copied_into_the_workdir_and_another_one_refused(tokenizer, tmp_path):
+    first = tokenizer
+    pairs = data.read_split(data.DataConfig(builtin_train_size=300, builtin_seed=1), "train")
+    second = train_tokenizer([text for pair in pairs for text in pair], str(tmp_path / "other.model"), vocab_size=300)
+    loaded = data.load_or_train_tokenizer(data.DataConfig(vocab_path=first.path), [], str(tmp_path), process_index=0)
+    assert loaded.path == str(tmp_path / "vocab.model")
+    assert fingerprint(loaded.path) == fingerprint(first.path)
+    other = data.load_or_train_tokenizer(data.DataConfig(vocab_path=first.path), [], str(tmp_path), process_index=1)
+    assert other.path == loaded.path  # another process reads process 0's copy
+    expected = f"data.vocab_path={re.escape(second.path)} .* is not {re.escape(str(tmp_path / 'vocab.model'))}"
+    with pytest.raises(VocabularyMismatchError, match=expected):
+        data.load_or_train_tokenizer(data.DataConfig(vocab_path=second.path), [], str(tmp_path), process_index=0)
 
 
 def test_inputs_longer_than_learned_positions_are_cut_to_fit_keeping_eos(tokenizer, caplog):
@@ -373,7 +394,8 @@ def test_inputs_longer_than_learned_positions_are_cut_to_fit_keeping_eos(tokeniz
     finally:
         logger.removeHandler(caplog.handler)
     assert set(seen) == {tuple(short), tuple(long[:limit - 1]) + (EOS_ID,)}
-    assert f"truncating 1 input(s) longer than the model's {limit} positions (first: line 2)" in caplog.text
+    assert (f"1 of 2 source sentence(s) longer than {limit} tokens cut to their first {limit - 1} and EOS (still "
+            "decoded and scored): line(s) 2") in caplog.text
     assert [list(ids) for ids in outputs] == [[EOS_ID], [EOS_ID]]
     seen.clear()
     decode.search_ids(search, None, tokenizer, sentences, batch_size=4)  # sinusoids: no limit, nothing is cut

@@ -1,6 +1,7 @@
 """eval.py and `python -m transformer.translate` on a tiny trained workdir: the decoding flags (--nbest,
 --length_penalty, --max_extra_length) reach the search, both tools take the same defaults from the workdir's
-config, and bad flags fail before anything is restored."""
+config, bad flags fail before anything is restored, inputs longer than the run's max_length are cut and counted,
+and evaluations of one model, beside a save in flight, each keep their own results."""
 
 import json
 import os
@@ -8,10 +9,12 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
-from tiny import TINY_OVERRIDES
+from tiny import TINY_OVERRIDES, tree_digest
 
-from transformer import decode, trainer
+from transformer import data, decode, trainer
+from transformer.tokenizer import Tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINES = ["The black cat sleeps in the garden.", "", "Two wolves are sad.", "The cat sleeps.",
@@ -41,7 +44,7 @@ def test_eval_and_translate_write_the_same_nbest_list_with_the_config_defaults(w
     source = workdir.parent / "in.txt"
     result = run("eval.py", f"--workdir={workdir}", f"--input={source}", f"--output={tmp_path / 'hyp.txt'}", *FLAGS)
     assert result.returncode == 0, result.stderr[-3000:]
-    [scores] = json.loads((workdir / "eval" / "scores.avg2_step6.json").read_text())
+    [scores] = json.loads((workdir / "eval" / "scores.in.txt.avg2_step6.beam2-fairseq1-extra2.json").read_text())
     assert (scores["averaged_steps"], scores["batch_size"], scores["beam_size"]) == ([3, 6], 5, 2)
     assert (scores["length_penalty"], scores["alpha"], scores["max_extra_length"]) == ("fairseq", 1.0, 2)
     assert scores["nbest_output"] == str(tmp_path / "hyp.nbest2.txt")
@@ -58,10 +61,22 @@ def test_eval_and_translate_write_the_same_nbest_list_with_the_config_defaults(w
         assert all(len(h.ids) <= len(ids) + 2 for h in hypotheses)  # --max_extra_length=2, not the config's 4
     assert [line.split(" ||| ")[0] for line in nbest] == ["0", "0", "1", "2", "2", "3", "3", "4", "4", "5", "5", "6",
                                                           "6"]
-    # translate.py: no --average_last or --batch_size either, the same rule, so the same list.
+    # translate.py: no --average_last or --batch_size either, the same rule, so the same list (scores equal up
+    # to float rounding: it reads 5 lines at a time, so "The dog." is padded to another length than in eval.py).
     result = run("-m", "transformer.translate", f"--workdir={workdir}", *FLAGS, stdin=source.read_text())
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.splitlines() == nbest
+    assert_same_nbest(result.stdout.splitlines(), nbest)
+
+
+def assert_same_nbest(got: list[str], expected: list[str]) -> None:
+    """The same indices and translations in the same order; log P and scores equal up to float rounding."""
+    def fields(lines):
+        return [line.split(" ||| ") for line in lines]
+    assert [f[:2] for f in fields(got)] == [f[:2] for f in fields(expected)]
+    for name, column in (("LogProb", 2), ("score", 3)):
+        np.testing.assert_allclose([float(f[column].removeprefix("LogProb= ")) for f in fields(got)],
+                                   [float(f[column].removeprefix("LogProb= ")) for f in fields(expected)],
+                                   rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("tool, flags, message", [
@@ -74,3 +89,38 @@ def test_bad_decoding_flags_fail_naming_them(workdir, tool, flags, message):
     result = run(*tool.split(), f"--workdir={workdir}", *flags, stdin="A cat.\n")
     assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
     assert not (workdir / "eval").exists()
+
+
+def digest_outside_eval(workdir) -> dict:
+    return {name: tree_digest(workdir / name) if (workdir / name).is_dir() else (workdir / name).read_bytes()
+            for name in sorted(os.listdir(workdir)) if name != "eval"}
+
+
+def test_evaluations_beside_a_save_in_flight_keep_their_own_results_and_count_the_inputs_cut(workdir, tmp_path):
+    """A half-written save (Orbax's temporary directory) is not read; each evaluation writes its own scores under
+    eval/ and nothing else; a source longer than the run's data.max_length (48) is cut, counted and translated."""
+    in_flight = workdir / "checkpoints" / "9.orbax-checkpoint-tmp-1010101"
+    shutil.copytree(workdir / "checkpoints" / "6", in_flight)
+    try:
+        before = digest_outside_eval(workdir)
+        long = tmp_path / "long.txt"
+        long.write_text("\n".join([LINES[0], " ".join([LINES[4]] * 12), LINES[2]]) + "\n")
+        result = run("eval.py", f"--workdir={workdir}", f"--input={long}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"{long}: 1 of 3 source sentence(s) longer than 48 tokens cut to their first 47 and EOS" in result.stdout
+        [cut] = json.loads((workdir / "eval" / "scores.long.txt.avg2_step6.greedy-extra4.json").read_text())
+        assert (cut["step"], cut["inputs_cut"], cut["max_input_length"], cut["sentences"]) == (6, 1, 48, 3)
+        assert len((workdir / "eval" / "long.txt.avg2_step6.greedy-extra4.txt").read_text().splitlines()) == 3
+        result = run("eval.py", f"--workdir={workdir}", "--split=valid", "--beam_size=2")
+        assert result.returncode == 0, result.stderr[-3000:]
+        [valid] = json.loads((workdir / "eval" / "scores.valid.avg2_step6.beam2-gnmt0.6-extra4.json").read_text())
+        settings = trainer.Settings.from_config(trainer.load_workdir_config(str(workdir)))
+        sources = [source for source, _ in data.read_split(settings.data, "valid")]
+        too_long = sum(len(ids) > 48 for ids in Tokenizer(str(workdir / "vocab.model")).encode(sources))
+        assert valid["step"] == 6 and valid["inputs_cut"] == too_long > 0 and 0.0 <= valid["bleu"] <= 100.0
+        assert valid["sentences"] == len(sources)  # the cut ones are scored too
+        assert json.loads((workdir / "eval" / "scores.long.txt.avg2_step6.greedy-extra4.json").read_text()) == [cut]
+        assert not [name for name in os.listdir(workdir / "eval") if ".tmp" in name]  # only whole files remain
+        assert digest_outside_eval(workdir) == before
+    finally:
+        shutil.rmtree(in_flight)

@@ -1,5 +1,6 @@
 import functools
 import itertools
+import logging
 
 import decode_setup
 import jax
@@ -8,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from transformer.decode import (NEG_INF, DecodeConfig, beam_search, cache_blocks_for, command_line_settings,
-                                greedy_search, length_penalty, make_search, nbest_lines, sampling_logits,
-                                search_ids, search_nbest)
+from transformer.decode import (NEG_INF, DecodeConfig, beam_search, budget_batches, cache_blocks_for,
+                                command_line_settings, greedy_search, length_penalty, make_search, nbest_lines,
+                                sampling_logits, search_ids, search_nbest, search_sentences)
 from transformer.model import (ModelConfig, Transformer, cached_attention, dot_product_attention, to_cache_layout,
                                write_cache_rows)
 from transformer.steps import shift_right
@@ -389,3 +390,104 @@ def test_decode_settings_and_command_line_flags_fail_clearly_and_share_one_defau
             command_line_settings(saved, **{"step": None, "average_last": None, "best": False, **flags})
     with pytest.raises(ValueError, match="decode.temperature=1.0 samples one per sentence"):
         command_line_settings({**saved, "temperature": 1.0}, step=None, average_last=None, best=False, nbest=2)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Bounded decoding: inputs cut to a bound, batches within a token budget
+
+
+def test_the_input_bound_is_the_training_length_capped_by_a_learned_position_table():
+    assert DecodeConfig().input_bound(64, None) == 64  # sinusoids: the training data.max_length
+    assert DecodeConfig().input_bound(64, 32) == 32  # a learned table of 32 positions holds no more
+    assert DecodeConfig(max_input_length=100).input_bound(64, None) == 100
+    assert DecodeConfig(max_input_length=100).input_bound(64, 80) == 80
+    with pytest.raises(ValueError, match="decode.max_input_length=-1 and decode.max_tokens_per_batch=0 must be >= 0"):
+        DecodeConfig(max_input_length=-1, max_tokens_per_batch=0)
+    assert DecodeConfig(beam_size=1).search_tag == "greedy-extra50"
+    assert DecodeConfig(beam_size=4, alpha=0.6, length_penalty="fairseq", max_extra_length=2).search_tag == \
+        "beam4-fairseq0.6-extra2"
+    assert DecodeConfig(temperature=1.0, top_p=0.9).search_tag == "sample-t1-k0-p0.9-extra50"
+
+
+@pytest.mark.parametrize("ways", [1, 2, 4])
+def test_token_budget_batches_hold_fewer_long_sentences_in_whole_rows_per_device(ways):
+    lengths = np.random.default_rng(ways).permutation(np.arange(1, 71))  # buckets of 8, 16, 32, 64 and 128
+    inputs = [np.full(n, 5, np.int32) for n in lengths]
+    batches = list(budget_batches(inputs, rows=8, ways=ways, max_tokens=128))
+    seen = np.concatenate([indices[indices >= 0] for indices, _ in batches])
+    assert sorted(seen.tolist()) == list(range(70))  # every sentence once
+    assert np.all(np.diff(lengths[seen]) >= 0)  # in length order, so the shortest share the small shapes
+    rows_of = {}
+    for indices, batch in batches:
+        rows, length = batch.shape
+        assert rows % ways == 0 and ways <= rows <= 8 and (rows * length <= 128 or rows == ways)
+        assert rows_of.setdefault(length, rows) == rows  # one row count per bucket length: one shape to compile
+        for index, row in zip(indices, batch):
+            expected = np.zeros(length, np.int32)
+            if index >= 0:
+                expected[:lengths[index]] = 5
+            np.testing.assert_array_equal(row, expected)
+    # 8 rows of the short ones; 128 tokens of 32 per row: 4; of 64: 2 (but one per device); of 128: one per device.
+    assert rows_of == {8: 8, 16: 8, 32: 4, 64: max(2, ways), 128: ways}
+    assert all(batch.shape[0] == 8 for _, batch in budget_batches(inputs, rows=8, ways=ways))  # no budget
+
+
+class ProjectLog:
+    """The warnings of the project's console logger (which does not propagate to pytest's caplog)."""
+
+    def __init__(self, caplog):
+        self.caplog, self.logger = caplog, logging.getLogger("transformer")
+
+    def __enter__(self):
+        self.logger.addHandler(self.caplog.handler)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.caplog.handler)
+
+    @property
+    def warnings(self) -> list[str]:
+        return [r.getMessage() for r in self.caplog.records if r.levelno == logging.WARNING]
+
+
+def recording_search(seen: list):
+    """A stand-in for a jitted search: records each batch it gets, answers EOS at once."""
+    def search(params, batch):
+        seen.append(np.asarray(batch))
+        return np.full((len(batch), 2), EOS_ID, np.int32)
+    return search
+
+
+def test_long_inputs_are_cut_to_the_bound_with_one_warning_naming_the_split_and_lines(translation, caplog):
+    tokenizer, _, _, sentences = translation
+    long = " ".join(sentences[:3])  # longer than the bound below
+    lines = [sentences[0], long, sentences[1], long, long, long, long, long, long, sentences[2]]
+    bound = max(len(ids) for ids in tokenizer.encode(sentences[:3])) + 1
+    assert all(len(ids) > bound for ids in tokenizer.encode([long]))
+    seen = []
+    with ProjectLog(caplog) as log:
+        decoded = search_sentences(recording_search(seen), None, tokenizer, lines, 4, bound, name="valid")
+    assert decoded.cut == 7 and decoded.cut_lines == [2, 4, 5, 6, 7, 8, 9]
+    assert log.warnings == [f"valid: 7 of 10 source sentence(s) longer than {bound} tokens cut to their first "
+                            f"{bound - 1} and EOS (still decoded and scored): line(s) 2, 4, 5, 6, 7 and 2 more"]
+    rows = [row[row != 0] for batch in seen for row in batch if row.any()]
+    cut = np.append(tokenizer.encode([long])[0][:bound - 1], EOS_ID)
+    assert sum(np.array_equal(row, cut) for row in rows) == 7 and all(len(row) <= bound for row in rows)
+    assert len(decoded.hypotheses) == 10 and all(decoded.hypotheses)  # every cut sentence is still translated
+    caplog.clear()
+    with ProjectLog(caplog) as log:  # no bound (None): nothing is cut; no name: the caller warns
+        assert search_sentences(recording_search([]), None, tokenizer, lines, 4).cut == 0
+        assert search_sentences(recording_search([]), None, tokenizer, lines, 4, bound, name=None).cut == 7
+    assert log.warnings == []
+
+
+def test_a_token_budget_changes_no_output_and_keeps_the_input_order(translation):
+    tokenizer, graphdef, params, sentences = translation
+    search = make_search(graphdef, max_extra_length=decode_setup.MAX_EXTRA_LENGTH, beam_size=2, alpha=0.6)
+    budget = 2 * 16  # the 16-token bucket holds 2 rows, the 8-token one 4: several batch shapes
+    whole = search_ids(search, params, tokenizer, sentences, 8)
+    budgeted = search_ids(search, params, tokenizer, sentences, 8, max_tokens_per_batch=budget)
+    assert all(np.array_equal(a, b) for a, b in zip(budgeted, whole, strict=True)) and len(whole[3]) == 0
+    seen = []
+    search_ids(recording_search(seen), params, tokenizer, sentences, 8, max_tokens_per_batch=budget)
+    assert {batch.shape for batch in seen} <= {(4, 8), (2, 16)} and (2, 16) in {batch.shape for batch in seen}

@@ -1,8 +1,10 @@
+import logging
+
 import pytest
 import sacrebleu
 from tiny import metric_records
 
-from transformer.metrics import MetricWriter, all_scores, bleu, paper_bleu, paper_tokenize
+from transformer.metrics import MetricWriter, all_scores, bleu, paper_bleu, paper_tokenize, read_jsonl
 
 HYPOTHESES = ["The cat sat on the mat.", "A quick brown fox jumps over the dog.", "Hello there, world!"]
 REFERENCES = ["The cat sat on the mat.", "The quick brown fox jumped over the lazy dog.", "Hello, world!"]
@@ -50,6 +52,36 @@ def test_a_resumed_writer_drops_records_after_the_checkpoint(tmp_path):
     writer.close()
     records = metric_records(tmp_path)
     assert [(r["step"], r["loss"]) for r in records] == [(10, 10.0), (20, 20.0), (30, 3.0)]
+
+
+@pytest.fixture
+def warnings(caplog):
+    """The warnings of the project's console logger (which does not propagate to pytest's root handler)."""
+    logger = logging.getLogger("transformer")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+def test_a_torn_metrics_jsonl_is_repaired_with_one_warning(tmp_path, warnings):
+    writer = MetricWriter(str(tmp_path))
+    for step in (10, 20, 30):
+        writer.write(step, {"loss": float(step)}, "train")
+    writer.close()
+    path = tmp_path / "metrics.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(lines[0] + lines[1] + b"\x00\xff\xfe junk\n" + lines[2] + b'{"step": 40, "split": "tr')
+    assert [r["step"] for r in read_jsonl(str(path))] == [10, 20, 30]
+    assert "skipped unreadable line(s) 3, 5" in warnings.text
+    warnings.clear()
+    writer = MetricWriter(str(tmp_path))  # no resume step: still, nothing is appended to the torn line
+    writer.write(40, {"loss": 4.0}, "train")
+    writer.close()
+    assert [r["step"] for r in read_jsonl(str(path))] == [10, 20, 30, 40]
+    assert f"{path}: dropped unreadable line(s) 3, 5" in warnings.text and warnings.text.count("unreadable") == 1
+    path.write_bytes(path.read_bytes() + b'{"step": 50, "sp')
+    MetricWriter(str(tmp_path), resume_step=20).close()
+    assert [r["step"] for r in read_jsonl(str(path))] == [10, 20]
 
 
 def test_paper_tokenization_is_moses_then_compound_splitting():

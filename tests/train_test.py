@@ -78,7 +78,7 @@ def test_eval_restores_the_checkpoint_and_scores_a_split_and_a_file(trained_work
     result = run_script("eval.py", f"--workdir={workdir}", "--step=3", "--split=test")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "test BLEU" in result.stdout
-    scores = json.loads((workdir / "eval" / "scores.step3.json").read_text())
+    scores = json.loads((workdir / "eval" / "scores.test.step3.greedy-extra4.json").read_text())
     assert scores[0]["step"] == 3 and scores[0]["sentences"] == 64 and "signature" in scores[0]
     result = run_script("eval.py", f"--workdir={workdir}", f"--input={tmp_path / 'in.txt'}",
                         f"--reference={tmp_path / 'ref.txt'}", f"--output={tmp_path / 'out.txt'}")
@@ -206,11 +206,11 @@ def test_eval_averages_checkpoints_with_beam_search_and_writes_all_scores(traine
     result = run_script("eval.py", f"--workdir={run}", "--split=valid", "--beam_size=2", "--alpha=0.6")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "averaged the parameters of steps [3, 6]" in result.stdout and "paper BLEU" in result.stdout
-    scores = json.loads((run / "eval" / "scores.avg2_step6.json").read_text())[0]
+    scores = json.loads((run / "eval" / "scores.valid.avg2_step6.beam2-gnmt0.6-extra4.json").read_text())[0]
     assert scores["averaged_steps"] == [3, 6] and scores["beam_size"] == 2 and scores["sentences"] == 64
     assert scores["chrf_signature"].startswith("nrefs:1") and "##AT##" in scores["paper_bleu_method"]
     assert scores["tokens_per_second"] > 0 and scores["sentences_per_second"] > 0
-    assert len((run / "eval" / "valid.avg2_step6.txt").read_text().splitlines()) == 64
+    assert len((run / "eval" / "valid.avg2_step6.beam2-gnmt0.6-extra4.txt").read_text().splitlines()) == 64
     expected = [(a + b) / 2 for a, b in zip(jax.tree.leaves(trainer.restore(str(workdir), 3).params),
                                             jax.tree.leaves(trainer.restore(str(workdir), 6).params))]
     averaged = trainer.restore(str(workdir), average_last=2)

@@ -1,18 +1,27 @@
-"""Where `--config=configs/NAME.py` is found: as given (relative to the working directory), else in the `configs`
-package installed beside `transformer` (pip installs both), so the shipped configs work from any directory."""
+"""The command line's config before absl reads it: where `--config=configs/NAME.py` is found (as given, relative to
+the working directory, else in the `configs` package installed beside `transformer`, so the shipped configs work
+from any directory), and every `--config.a.b=value` override checked against the config's keys, so that a
+misspelt key fails at once, named with the nearest known keys."""
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 
+from ml_collections import ConfigDict
+from ml_collections.config_flags import config_flags
+
 import configs
+from transformer import errors
 
 INSTALLED = os.path.dirname(os.path.abspath(configs.__file__))
+# An override as ml_collections reads it: --config.a.b=v, --config.a.b v, or --noconfig.a.b for a false bool.
+OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=]+)")
 
 
 def find(path: str) -> str:
-    """The config file `path` names (a `:argument` suffix kept), or SystemExit naming every place looked."""
+    """The config file `path` names (a `:argument` suffix kept), or a ConfigError naming every place looked."""
     file, sep, argument = path.partition(":")
     if os.path.exists(file):
         return path
@@ -20,8 +29,9 @@ def find(path: str) -> str:
                              and file.startswith("configs" + os.sep) else os.path.basename(file))
     if os.path.exists(candidate):
         return candidate + sep + argument
-    raise SystemExit(f"--config={path}: no such file; looked at {os.path.abspath(file)} and {candidate} (the "
-                     f"installed configs: {', '.join(sorted(n for n in os.listdir(INSTALLED) if n.endswith('.py') and not n.startswith('_')))})")
+    installed = ", ".join(sorted(n for n in os.listdir(INSTALLED) if n.endswith(".py") and not n.startswith("_")))
+    raise errors.ConfigError(f"--config={path}: no such file; looked at {os.path.abspath(file)} and {candidate} "
+                             f"(the installed configs: {installed})")
 
 
 def resolve_argv(argv: list[str]) -> list[str]:
@@ -35,5 +45,50 @@ def resolve_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def resolve_sys_argv() -> None:
+def config_path(argv: list[str], default: str) -> str:
+    """The config file the command line names (the last --config wins, as in absl), else `default`."""
+    path = default
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            path = arg[len("--config="):]
+        elif arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+    return path
+
+
+def unknown_key(config: ConfigDict, key: str) -> str | None:
+    """Why the dotted `key` (an override's path, list indices allowed: `a.b[0]`) names nothing in `config`, with the
+    nearest known keys; None when it names a field."""
+    node, parts = config, key.split(".")
+    for depth, part in enumerate(parts):
+        name = re.sub(r"\[[^\]]*\]$", "", part)
+        where = "--config." + ".".join(parts[:depth] + [name])
+        within = "" if depth == len(parts) - 1 else f" (in --config.{key})"
+        if not isinstance(node, (ConfigDict, dict)):
+            return f"--config.{'.'.join(parts[:depth])} is a value, not a section with a key {name}{within}"
+        if name not in node:
+            prefix = "--config." + "".join(p + "." for p in parts[:depth])
+            return f"unknown config key {where}{within}" + errors.did_you_mean(name, node.keys(), prefix)
+        node = node[name]
+    return None
+
+
+def check_overrides(argv: list[str], default: str) -> None:
+    """A ConfigError naming the first `--config.KEY` override of argv whose KEY the config (--config's file, else
+    `default`) does not have, with the nearest known keys; ml_collections would stop there with a traceback."""
+    keys = [match.group(1) for arg in argv[1:] if (match := OVERRIDE.match(arg))]
+    if not keys:
+        return
+    config = config_flags.ConfigFileFlagParser(name="config", lock_config=False).parse(config_path(argv, default))
+    problems = [problem for key in keys if (problem := unknown_key(config, key))]
+    if problems:
+        problem, more = problems[0], len(problems) - 1
+        raise errors.ConfigError(problem + (f" (and {more} more unknown key(s))" if more else ""))
+
+
+def resolve_sys_argv(default: str | None = None) -> None:
+    """sys.argv with its --config file found (`find`); with `default` (the entry point's default config file), its
+    overrides checked too (`check_overrides`). Raises ConfigError; call it before absl parses the flags."""
     sys.argv[:] = resolve_argv(sys.argv)
+    if default is not None:
+        check_overrides(sys.argv, default)

@@ -35,6 +35,7 @@ from absl import logging
 from transformer import corpus, sources
 from transformer.sources import DataError
 from transformer.tokenizer import Tokenizer, train_tokenizer
+from transformer.workdir import VOCABULARY_FILE, VocabularyMismatchError, copy_file, fingerprint
 
 SOURCES = ("builtin", "text", "tfds")
 SPLITS = ("train", "valid", "test")
@@ -308,16 +309,15 @@ def wait_for_file(path: str, what: str, timeout_seconds: float = 3600.0, poll_se
 
 def load_or_train_tokenizer(config: DataConfig, train: SplitSource | list[tuple[str, str]], workdir: str, *,
                             process_index: int | None = None) -> Tokenizer:
-    """The given vocab_path, else `workdir/vocab.model` if a previous run wrote it, else train one there on a
+    """`workdir/vocab.model`: copied there from data.vocab_path on first use (so the workdir is self-contained
+    and a changed file at vocab_path is caught), else the one a previous run wrote, else trained there on a
     seeded sample of the train split (spilled to disk first, so the split is never whole in memory).
 
-    On many processes only process 0 trains; the others wait for its file (the workdir is shared)."""
-    if config.vocab_path:
-        if not os.path.exists(config.vocab_path):
-            raise DataError(f"data.vocab_path={config.vocab_path} does not exist")
-        return Tokenizer(config.vocab_path)
-    path = os.path.join(workdir, "vocab.model")
+    On many processes only process 0 trains or copies; the others wait for its file (the workdir is shared)."""
+    path = os.path.join(workdir, VOCABULARY_FILE)
     process_index = jax.process_index() if process_index is None else process_index
+    if config.vocab_path:
+        return given_tokenizer(config.vocab_path, path, process_index)
     if process_index != 0:
         wait_for_file(path, "vocabulary")
     if os.path.exists(path):  # written by an earlier start of this run: resume with the same ids
@@ -333,6 +333,25 @@ def load_or_train_tokenizer(config: DataConfig, train: SplitSource | list[tuple[
                                 max_sentences=config.vocab_max_sentences, max_characters=config.vocab_max_characters)
     logging.info("trained the vocabulary %s in %.1fs", path, time.perf_counter() - start)
     return tokenizer
+
+
+def given_tokenizer(vocab_path: str, path: str, process_index: int) -> Tokenizer:
+    """data.vocab_path, loaded from its copy at `path` in the workdir: made by process 0 on first use,
+    refused if a copy already there has other bytes (the workdir's run was trained with another vocabulary)."""
+    if not os.path.exists(vocab_path):
+        raise DataError(f"data.vocab_path={vocab_path} does not exist")
+    if process_index != 0:
+        wait_for_file(path, "vocabulary", hint=f" (process 0 copies data.vocab_path={vocab_path} there)")
+    elif not os.path.exists(path):
+        Tokenizer(vocab_path)  # refuses a model with other special ids before it enters the workdir
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        copy_file(vocab_path, path)
+    given, kept = fingerprint(vocab_path), fingerprint(path)
+    if given != kept:
+        raise VocabularyMismatchError(f"data.vocab_path={vocab_path} (sha256 {given}) is not {path} (sha256 {kept}), "
+                                      "the vocabulary this workdir was started with; use a new --workdir, or "
+                                      "restore that file")
+    return Tokenizer(path)
 
 
 @dataclasses.dataclass
@@ -578,10 +597,9 @@ class CacheWriter:
             shutil.rmtree(self.temporary, ignore_errors=True)
 
 
-def cache_record(model_path: str, fingerprint: dict[str, Any]) -> dict[str, Any]:
+def cache_record(model_path: str, split: dict[str, Any]) -> dict[str, Any]:
     """What a cache is built from: its split's fingerprint and the vocabulary's digest."""
-    with open(model_path, "rb") as handle:
-        return {"source": fingerprint, "vocabulary": hashlib.sha256(handle.read()).hexdigest()}
+    return {"source": split, "vocabulary": fingerprint(model_path)}
 
 
 def cache_directory(workdir: str, split: str, record: dict[str, Any]) -> str:

@@ -30,8 +30,12 @@ call of `search_ids`/`translate` on one `Search` (c counts from 0; `call=` pins 
 the key fold_in(fold_in(fold_in(key(seed), c), i), t), i being the sentence's index in that call's list. The
 samples then depend on neither the batch size, nor the number of devices or processes, nor the other sentences.
 
-Decoding splits each batch's rows over the batch axes of a mesh (`batch_sharding`); with several processes
-every process passes the same sentences, places its own rows, and gets every output back.
+Decoding of sentences (`search_sentences`) always finishes: a source longer than the bound
+(`DecodeConfig.input_bound`: the training data.max_length, capped by a learned position table) is cut to it, its
+EOS kept, with one warning naming the split or file and the lines, and the count returned (`Decoded.cut`); and
+batches hold at most decode.max_tokens_per_batch rows x padded length, so long sentences come fewer to a batch
+(`budget_batches`). Each batch's rows are split over the batch axes of a mesh (`batch_sharding`); with several
+processes every process passes the same sentences, places its own rows, and gets every output back.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -76,6 +80,8 @@ class DecodeConfig:
     top_p: float = 0.0
     average_last: int = 0
     cache_blocks: int = 0
+    max_input_length: int = 0
+    max_tokens_per_batch: int = 16384
 
     def __post_init__(self):
         if self.batch_size <= 0:
@@ -96,6 +102,27 @@ class DecodeConfig:
                              f"decode.average_last={self.average_last} must be >= 0")
         if not 0.0 <= self.top_p <= 1.0:
             raise ValueError(f"decode.top_p={self.top_p} must be in [0, 1] (0 or 1: off)")
+        if self.max_input_length < 0 or self.max_tokens_per_batch < 0:
+            raise ValueError(f"decode.max_input_length={self.max_input_length} and decode.max_tokens_per_batch="
+                             f"{self.max_tokens_per_batch} must be >= 0 (0: data.max_length, and no budget)")
+
+    def input_bound(self, data_max_length: int, position_limit: int | None) -> int:
+        """The most source tokens (EOS included) a sentence is decoded from: decode.max_input_length, else the
+        training data.max_length (longer pairs were never trained on), and never past a learned position table."""
+        bound = self.max_input_length or data_max_length
+        return bound if position_limit is None else min(bound, position_limit)
+
+    @property
+    def search_tag(self) -> str:
+        """The settings that change what the search finds, as a file-name part: greedy, beam4-gnmt0.6 or
+        sample-t1-k0-p0.9, then -extra<max_extra_length> (e.g. beam4-gnmt0.6-extra50)."""
+        if self.temperature > 0:
+            search = f"sample-t{self.temperature:g}-k{self.top_k}-p{self.top_p:g}"
+        elif self.beam_size == 1:
+            search = "greedy"
+        else:
+            search = f"beam{self.beam_size}-{self.length_penalty}{self.alpha:g}"
+        return f"{search}-extra{self.max_extra_length}"
 
     def search_fn(self, graphdef: nnx.GraphDef, seed: int, *, scores: bool = False) -> Search:
         """The configured search; `scores` makes greedy search and sampling score their hypothesis too (beam
@@ -492,28 +519,87 @@ def batch_sharding_for(params: PyTree = None) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(axes))
 
 
+def batch_ways(batch_sharding: NamedSharding) -> int:
+    """How many ways batch_sharding splits a batch's rows (the product of its first dimension's mesh axes)."""
+    spec = tuple(batch_sharding.spec)
+    axes = spec[0] if spec else None
+    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return math.prod(batch_sharding.mesh.shape[name] for name in names)
+
+
 def rows_per_batch(batch_size: int, batch_sharding: NamedSharding) -> int:
     """batch_size rounded up to a multiple of the ways batch_sharding splits rows: every device gets whole rows."""
     if batch_size <= 0:
         raise ValueError(f"decode batch size {batch_size} must be positive")
-    spec = tuple(batch_sharding.spec)
-    axes = spec[0] if spec else None
-    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    ways = math.prod(batch_sharding.mesh.shape[name] for name in names)
+    ways = batch_ways(batch_sharding)
     return -(-batch_size // ways) * ways
 
 
-def encode_inputs(tokenizer: Tokenizer, sentences: list[str], max_input_length: int | None) -> list[np.ndarray]:
-    """Token ids of each sentence (EOS included); longer than max_input_length: cut to it, keeping EOS."""
-    inputs = tokenizer.encode(sentences)
-    if max_input_length is not None:
-        too_long = [i for i, ids in enumerate(inputs) if len(ids) > max_input_length]
-        if too_long:
-            log.warning("truncating %d input(s) longer than the model's %d positions (first: line %d)",
-                        len(too_long), max_input_length, too_long[0] + 1)
-            for i in too_long:
-                inputs[i] = np.append(inputs[i][:max_input_length - 1], EOS_ID).astype(np.int32)
-    return inputs
+def budget_batches(inputs: list[np.ndarray], rows: int, ways: int = 1, max_tokens: int = 0
+                   ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(indices, padded inputs [batch rows, bucket length]) in length order (stable), every input once. A batch of
+    bucket length L has rows_for(L) rows: `rows` (a multiple of `ways`), or with max_tokens > 0 the most multiples
+    of `ways` whose rows x L fit in max_tokens (at least `ways`: one row per device). A bucket thus has one row
+    count, and no more shapes compile than without a budget. Rows beyond the inputs hold index -1, all padding."""
+    def rows_for(length: int) -> int:
+        return min(rows, max(ways, max_tokens // length // ways * ways)) if max_tokens > 0 else rows
+
+    lengths = [len(x) for x in inputs]
+    order = np.argsort(lengths, kind="stable")
+    start = 0
+    while start < len(order):
+        # The shortest first, so the batch's longest input sets its length; fewer rows may shorten it again.
+        count = rows_for(data.bucket_length(lengths[order[start]]))
+        while True:
+            length = data.bucket_length(lengths[order[min(start + count, len(order)) - 1]])
+            if rows_for(length) >= count:
+                break
+            count = rows_for(length)
+        indices = order[start:start + count]
+        batch = np.zeros((rows_for(length), length), np.int32)
+        for row, index in enumerate(indices):
+            batch[row, :lengths[index]] = inputs[index]
+        yield np.pad(indices, (0, len(batch) - len(indices)), constant_values=-1), batch
+        start += len(indices)
+
+
+CUT_LINES_SHOWN = 5  # line numbers a warning about cut inputs lists before it counts the rest
+
+
+def cut_to_bound(inputs: list[np.ndarray], max_input_length: int | None) -> tuple[list[np.ndarray], list[int]]:
+    """inputs with each one longer than max_input_length tokens (None: no bound) cut to its first
+    max_input_length - 1 and EOS -> (the inputs, the line numbers, from 1, of those cut)."""
+    if max_input_length is None:
+        return list(inputs), []
+    if max_input_length < 1:
+        raise ValueError(f"max_input_length={max_input_length} must be >= 1 (room for the EOS)")
+    bounded, cut = list(inputs), []
+    for line, ids in enumerate(inputs, 1):
+        if len(ids) > max_input_length:
+            bounded[line - 1] = np.append(ids[:max_input_length - 1], EOS_ID).astype(np.int32)
+            cut.append(line)
+    return bounded, cut
+
+
+def warn_cut(name: str, cut_lines: list[int], total: int, max_input_length: int) -> None:
+    """One warning for a whole split or file: how many of its `total` sentences were cut, and their first lines."""
+    if not cut_lines:
+        return
+    rest = len(cut_lines) - CUT_LINES_SHOWN
+    log.warning("%s: %d of %d source sentence(s) longer than %d tokens cut to their first %d and EOS (still "
+                "decoded and scored): line(s) %s%s", name, len(cut_lines), total, max_input_length,
+                max_input_length - 1, ", ".join(map(str, cut_lines[:CUT_LINES_SHOWN])),
+                f" and {rest} more" if rest > 0 else "")
+
+
+def encode_inputs(tokenizer: Tokenizer, sentences: list[str], max_input_length: int | None,
+                  name: str | None = "input") -> tuple[list[np.ndarray], list[int]]:
+    """(token ids of each sentence, EOS included, cut to max_input_length by cut_to_bound; the lines cut). With a
+    name (a split or file), one warning naming it and the lines (warn_cut); None leaves the warning to the caller."""
+    inputs, cut = cut_to_bound(tokenizer.encode(sentences), max_input_length)
+    if name is not None and max_input_length is not None:
+        warn_cut(name, cut, len(sentences), max_input_length)
+    return inputs, cut
 
 
 def to_host(x: Any) -> np.ndarray:
@@ -547,20 +633,45 @@ def _hypotheses(sequences: np.ndarray, scores: np.ndarray, log_probs: np.ndarray
     return found
 
 
-def search_hypotheses(search: Search | Callable, params: PyTree, tokenizer: Tokenizer, sentences: list[str],
-                      batch_size: int, max_input_length: int | None = None, *,
-                      batch_sharding: NamedSharding | None = None, call: int | None = None) -> list[list[Hypothesis]]:
-    """Each sentence's finished hypotheses, best first (beam search's up to beam_size, else one), in input order;
-    none for an empty sentence. Length-sorted batches of batch_size rows (rounded up to whole rows per device)
-    are split over batch_sharding (default: batch_sharding_for(params)); with several processes each places
-    its own rows, and every process gets every hypothesis. call: sampling's call index (default: the next)."""
+@dataclasses.dataclass(frozen=True)
+class Decoded:
+    """What search_sentences found: each sentence's finished hypotheses, best first (none for an empty sentence),
+    in input order, and the line numbers (from 1) of the inputs cut to the bound (their translations count)."""
+
+    hypotheses: list[list[Hypothesis]]
+    cut_lines: list[int]
+
+    @property
+    def cut(self) -> int:
+        return len(self.cut_lines)
+
+    def best_ids(self) -> list[np.ndarray]:
+        """The ids of each sentence's best hypothesis (EOS included); empty for an empty sentence."""
+        return [found[0].ids if found else np.zeros((0,), np.int32) for found in self.hypotheses]
+
+    def translations(self, tokenizer: Tokenizer) -> list[str]:
+        return [tokenizer.decode(ids) for ids in self.best_ids()]
+
+
+def search_sentences(search: Search | Callable, params: PyTree, tokenizer: Tokenizer, sentences: list[str],
+                     batch_size: int, max_input_length: int | None = None, *, name: str | None = "input",
+                     max_tokens_per_batch: int = 0, batch_sharding: NamedSharding | None = None,
+                     call: int | None = None) -> Decoded:
+    """Decode every sentence; each one always finishes. Inputs longer than max_input_length (None: no bound; callers
+    pass DecodeConfig.input_bound) are cut to it, keeping EOS, with one warning naming `name` (a split or file;
+    None: no warning) and the lines. Length-sorted batches of at most batch_size rows and, with
+    max_tokens_per_batch > 0, at most that many rows x padded length (budget_batches), rows in whole multiples of
+    the devices, are split over batch_sharding (default: batch_sharding_for(params)); with several processes
+    each places its own rows, and every process gets every hypothesis. call: sampling's call index (default: the
+    next)."""
     if not sentences:
-        return []
-    inputs = encode_inputs(tokenizer, sentences, max_input_length)
+        return Decoded([], [])
+    inputs, cut = encode_inputs(tokenizer, sentences, max_input_length, name)
     batch_sharding = batch_sharding_for(params) if batch_sharding is None else batch_sharding
     run, call = _runner(search, call)
     pending = []
-    for indices, batch in data.decode_batches(inputs, rows_per_batch(batch_size, batch_sharding)):
+    for indices, batch in budget_batches(inputs, rows_per_batch(batch_size, batch_sharding),
+                                         batch_ways(batch_sharding), max_tokens_per_batch):
         streams = np.stack([np.full(len(indices), call), indices], axis=1).astype(np.int32)
         placed = sharding.place_batch({"inputs": batch, "streams": streams}, batch_sharding)
         pending.append((indices, run(params, placed["inputs"], placed["streams"])))  # dispatched, not awaited
@@ -573,44 +684,51 @@ def search_hypotheses(search: Search | Callable, params: PyTree, tokenizer: Toke
         for index, *row in zip(indices, sequences, scores, log_probs):
             if index >= 0 and sentences[index].strip():
                 results[index] = _hypotheses(*row)
-    return results
+    return Decoded(results, cut)
+
+
+def search_hypotheses(search: Search | Callable, params: PyTree, tokenizer: Tokenizer, sentences: list[str],
+                      batch_size: int, max_input_length: int | None = None, **options) -> list[list[Hypothesis]]:
+    """Each sentence's finished hypotheses, best first (beam search's up to beam_size, else one), in input order;
+    none for an empty sentence. options: search_sentences' keywords (name, max_tokens_per_batch, batch_sharding,
+    call)."""
+    return search_sentences(search, params, tokenizer, sentences, batch_size, max_input_length, **options).hypotheses
 
 
 def search_ids(search: Search | Callable, params: PyTree, tokenizer: Tokenizer, sentences: list[str],
-               batch_size: int, max_input_length: int | None = None, *, batch_sharding: NamedSharding | None = None,
-               call: int | None = None) -> list[np.ndarray]:
+               batch_size: int, max_input_length: int | None = None, **options) -> list[np.ndarray]:
     """The output ids of each sentence's best hypothesis (up to and including EOS), in input order; empty for
-    an empty sentence. See search_hypotheses."""
-    found = search_hypotheses(search, params, tokenizer, sentences, batch_size, max_input_length,
-                              batch_sharding=batch_sharding, call=call)
-    return [hypotheses[0].ids if hypotheses else np.zeros((0,), np.int32) for hypotheses in found]
+    an empty sentence. See search_sentences."""
+    return search_sentences(search, params, tokenizer, sentences, batch_size, max_input_length, **options).best_ids()
 
 
 def translate(search: Search | Callable, params: PyTree, tokenizer: Tokenizer, sentences: list[str],
-              batch_size: int, max_input_length: int | None = None, *, batch_sharding: NamedSharding | None = None,
-              call: int | None = None) -> list[str]:
+              batch_size: int, max_input_length: int | None = None, **options) -> list[str]:
     """Translate sentences in length-sorted batches with a `Search` (or any jitted `search(params, inputs)`);
-    keeps input order; the same list on every process. An empty sentence gets an empty translation. With
-    `max_input_length` (a model with learned positions), longer inputs are truncated to it, keeping their EOS,
-    with a warning. batch_sharding, call: see search_hypotheses.
+    keeps input order; the same list on every process. An empty sentence gets an empty translation. Inputs
+    longer than `max_input_length` are cut to it, keeping their EOS, with a warning. options: see
+    search_sentences.
     """
-    return [tokenizer.decode(ids) for ids in search_ids(search, params, tokenizer, sentences, batch_size,
-                                                         max_input_length, batch_sharding=batch_sharding, call=call)]
+    return search_sentences(search, params, tokenizer, sentences, batch_size, max_input_length,
+                            **options).translations(tokenizer)
 
 
 def search_nbest(search: Search, params: PyTree, tokenizer: Tokenizer, sentences: list[str], batch_size: int,
-                 max_input_length: int | None = None, *, nbest: int, batch_sharding: NamedSharding | None = None,
-                 call: int | None = None) -> list[list[Hypothesis]]:
+                 max_input_length: int | None = None, *, nbest: int, **options) -> list[list[Hypothesis]]:
     """The `nbest` best finished hypotheses of each sentence (fewer where the search finished fewer; none for an
-    empty sentence), best first, from a scored Search. See search_hypotheses."""
+    empty sentence), best first, from a scored Search. options: see search_sentences."""
+    _check_nbest_search(search, nbest)
+    found = search_hypotheses(search, params, tokenizer, sentences, batch_size, max_input_length, **options)
+    return [hypotheses[:nbest] for hypotheses in found]
+
+
+def _check_nbest_search(search: Search, nbest: int) -> None:
+    """n-best lists need a scored Search that keeps at least nbest hypotheses."""
     if not isinstance(search, Search) or not search.scored:
         raise ValueError("n-best lists need a scored Search (beam search, or make_search(..., scores=True))")
     if not 1 <= nbest <= search.hypotheses:
         raise ValueError(f"nbest={nbest} must be between 1 and the {search.hypotheses} hypotheses the search keeps "
                          "(decode.beam_size)")
-    found = search_hypotheses(search, params, tokenizer, sentences, batch_size, max_input_length,
-                              batch_sharding=batch_sharding, call=call)
-    return [hypotheses[:nbest] for hypotheses in found]
 
 
 def nbest_lines(nbest: list[list[Hypothesis]], tokenizer: Tokenizer, first_index: int = 0) -> list[str]:
@@ -629,7 +747,8 @@ def nbest_lines(nbest: list[list[Hypothesis]], tokenizer: Tokenizer, first_index
 # The command-line tools (eval.py, transformer.translate)
 
 # Flags of both tools that override the workdir config's decode section when given.
-COMMAND_LINE_OVERRIDES = ("batch_size", "beam_size", "alpha", "length_penalty", "max_extra_length")
+COMMAND_LINE_OVERRIDES = ("batch_size", "max_tokens_per_batch", "beam_size", "alpha", "length_penalty",
+                          "max_extra_length")
 
 
 def command_line_settings(saved: Mapping[str, Any], *, step: int | None, average_last: int | None, best: bool,

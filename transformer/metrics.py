@@ -14,6 +14,8 @@ from typing import Any
 
 import sacrebleu
 
+from transformer.workdir import write_bytes
+
 
 def _console_logger() -> logging.Logger:
     """Our own progress lines, timestamped on stdout; absl/orbax chatter stays at absl's WARNING level."""
@@ -83,24 +85,72 @@ def all_scores(hypotheses: list[str], references: list[str], *, target_lang: str
             **paper_bleu(hypotheses, references, target_lang=target_lang)}
 
 
+def _parse_jsonl(path: str) -> tuple[list[tuple[bytes, dict[str, Any]]], list[int], bool]:
+    """(raw line, record) of each readable line, the numbers of the unreadable ones, and whether the file
+    ends with a newline. A line is readable if it is UTF-8 holding one JSON object."""
+    with open(path, "rb") as handle:
+        content = handle.read()
+    lines, readable, unreadable = content.split(b"\n"), [], []
+    if lines and not lines[-1]:
+        lines.pop()  # the empty string after the final newline
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except ValueError:  # invalid JSON or invalid UTF-8
+            record = None
+        if isinstance(record, dict):
+            readable.append((line, record))
+        else:
+            unreadable.append(number)
+    return readable, unreadable, content.endswith(b"\n") or not content
+
+
+def _line_numbers(numbers: list[int]) -> str:
+    shown = ", ".join(map(str, numbers[:10]))
+    return f"{shown} and {len(numbers) - 10} more" if len(numbers) > 10 else shown
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file, skipping (with one warning) lines that are not JSON objects, such as
+    a last line torn by a kill; [] when there is no such file."""
+    if not os.path.exists(path):
+        return []
+    readable, unreadable, _ = _parse_jsonl(path)
+    if unreadable:
+        log.warning("%s: skipped unreadable line(s) %s", path, _line_numbers(unreadable))
+    return [record for _, record in readable]
+
+
+def repair_jsonl(path: str, resume_step: int | None = None) -> None:
+    """Rewrite a metrics JSONL file (atomically, only if anything changes) without its unreadable lines, with
+    one warning naming them, and with resume_step without the records of steps after it."""
+    readable, unreadable, ends_with_newline = _parse_jsonl(path)
+    kept = [line for line, record in readable
+            if resume_step is None or not isinstance(record.get("step"), (int, float)) or record["step"] <= resume_step]
+    if unreadable:
+        log.warning("%s: dropped unreadable line(s) %s (left by a run killed while writing); kept %d records",
+                    path, _line_numbers(unreadable), len(kept))
+    if unreadable or len(kept) < len(readable) or not ends_with_newline:
+        write_bytes(path, b"".join(line + b"\n" for line in kept))
+
+
 class MetricWriter:
     """Writes scalars to TensorBoard (workdir/tensorboard) and appends them as JSON lines (workdir/metrics.jsonl)."""
 
     def __init__(self, workdir: str, enabled: bool = True, resume_step: int | None = None):
         """With resume_step, drop the JSONL records a stopped run wrote after that step (the checkpoint it
-        resumes from), so that each step appears once."""
+        resumes from), so that each step appears once. Lines a kill left unreadable (a torn last line, junk)
+        are dropped with one warning, so that new records are not appended to a partial line."""
         self.enabled = enabled
         if not enabled:
             return
         from tensorboardX import SummaryWriter  # imported here: slow, and only the writing process needs it
 
         path = os.path.join(workdir, "metrics.jsonl")
-        if resume_step is not None and os.path.exists(path):
-            with open(path, encoding="utf-8") as handle:
-                kept = [line for line in handle if line.strip() and json.loads(line)["step"] <= resume_step]
-            with open(path + ".tmp", "w", encoding="utf-8") as handle:
-                handle.writelines(kept)
-            os.replace(path + ".tmp", path)
+        if os.path.exists(path):
+            repair_jsonl(path, resume_step)
         self.tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
         self.jsonl = open(path, "a", encoding="utf-8")
 

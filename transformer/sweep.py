@@ -392,15 +392,20 @@ def is_done(point: Point, workdir: str) -> bool:
     return True
 
 
+REPORTED_PREFIX = "error: "  # how the entry points print the project's errors (transformer/errors.py)
 EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit|Failure)(?::|$)")
 
 
 def error_line(log_text: str) -> str:
-    """The first line of the error: the last line that looks like 'SomeError: message' (a traceback's
-    last line), else the last non-empty line. Only the latest attempt in the log counts."""
+    """The first line of the error: the message of train.py's last 'error: <message>' line, else the last line
+    that looks like 'SomeError: message' (a traceback's last line), else the last non-empty line. Only the latest
+    attempt in the log counts."""
     before, marker, latest = log_text.rpartition(ATTEMPT)
     log_text = latest.split("\n", 1)[-1] if marker else log_text  # without the attempt's header line
     lines = [line.strip() for line in log_text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if line.startswith(REPORTED_PREFIX):
+            return line[len(REPORTED_PREFIX):][:300]
     for line in reversed(lines):
         if EXCEPTION_LINE.match(line):
             return line[:300]

@@ -21,7 +21,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from transformer import checkpoint, data, decode, loop, metrics, sharding, throughput
+from transformer import checkpoint, data, decode, errors, loop, metrics, sharding, throughput
+from transformer import workdir as workdirs
 from transformer.metrics import log
 from transformer.checkpoint import Checkpointer, abstract_like
 from transformer.model import ModelConfig, Transformer
@@ -111,19 +112,20 @@ class Settings:
     def from_config(cls, config: ml_collections.ConfigDict) -> "Settings":
         def build(kind, section, **extra):
             values = config[section].to_dict() if section in config else {}
-            try:
+            known = [f.name for f in dataclasses.fields(kind) if f.name not in extra]
+            unknown = sorted(set(values) - set(known))
+            if unknown:  # name it, with the nearest known keys, rather than drop it
+                raise errors.ConfigError("; ".join(f"unknown config key config.{section}.{key}" + errors.did_you_mean(
+                    key, known, f"config.{section}.") for key in unknown))
+            with errors.as_config_error():
                 return kind(**values, **extra)
-            except TypeError as error:  # an unknown field: name it rather than drop it
-                known = [f.name for f in dataclasses.fields(kind) if f.name not in extra]
-                unknown = sorted(set(values) - set(known))
-                raise ValueError(f"unknown config key(s) {['config.%s.%s' % (section, k) for k in unknown]}; "
-                                 f"known: {known}") from error
 
         model = config.model.to_dict()
         build(ModelConfig, "model", vocab_size=1)  # validates shapes before any data work
         unknown = sorted(set(config.keys()) - {"seed", *SECTIONS})
         if unknown:
-            raise ValueError(f"unknown top-level config key(s) {unknown}")
+            raise errors.ConfigError("; ".join(f"unknown top-level config key config.{key}" + errors.did_you_mean(
+                key, ["seed", *SECTIONS], "config.") for key in unknown))
         settings = cls(seed=int(config.seed), data=build(data.DataConfig, "data"), model=model,
                        optimizer=build(OptimizerConfig, "optimizer"), train=build(TrainConfig, "train"),
                        decode=build(decode.DecodeConfig, "decode"), mesh=build(sharding.MeshConfig, "mesh"))
@@ -296,6 +298,7 @@ class Corpus:
     examples: dict[str, data.Examples]  # valid -> tokenized, length-filtered for the eval loss
     train_cache: data.TokenCache  # the tokenized train split
     train_kept: np.ndarray  # indices into train_cache of the pairs within max_length
+    train_source: Any = None  # the train split's fingerprint (what its token cache was built from)
 
 
 def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
@@ -314,6 +317,14 @@ def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
                 data.load_or_train_tokenizer(settings.data, train, workdir)
             multihost_utils.sync_global_devices("vocabulary written")
         tokenizer = data.load_or_train_tokenizer(settings.data, train, workdir)
+        recorded = read_run_file(workdir)
+        workdirs.check_vocabulary(recorded.get("vocabulary"), tokenizer.path)  # before any token is cached with it
+        source = data.as_split_source(train, "train").fingerprint
+        if recorded.get("train_data") not in (None, source):
+            # A warning, not a refusal: text files are known by path, size and mtime, which a copy or a touch changes.
+            log.warning("the train split's fingerprint %s differs from the one this run started with, %s (in %s): "
+                        "its token cache is built again, and the batches from here on may differ", source,
+                        recorded["train_data"], os.path.join(workdir, RUN_FILE))
         cache = data.load_or_build_token_cache(train, tokenizer, workdir, "train",
                                                num_workers=settings.data.num_workers)
     length_filter = data.LengthFilter.of(cache, settings.data.max_length)
@@ -331,7 +342,7 @@ def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
             if not examples[split]:
                 raise data.DataError(f"every {split} pair is longer than data.max_length="
                                      f"{settings.data.max_length} tokens")
-    return Corpus(tokenizer, pairs, examples, cache, length_filter.kept)
+    return Corpus(tokenizer, pairs, examples, cache, length_filter.kept, source)
 
 
 def place_batch(local_batch: dict[str, np.ndarray], batch_sharding) -> dict[str, jax.Array]:
@@ -399,10 +410,22 @@ class Run:
         self.is_writer = jax.process_index() == 0
         if not self.is_writer:  # one console: process 0's, from the first line on
             log.setLevel("WARNING")
-        self.settings = settings = Settings.from_config(config)
-        splits = ["train", "valid"] + [s for s in settings.decode.splits if s != "valid"]
+        self.settings = Settings.from_config(config)
         if os.path.exists(workdir) and not os.path.isdir(workdir):
             raise NotADirectoryError(f"--workdir={workdir} exists and is not a directory")
+        self.checkpointer = self.snapshots = self.best_checkpointer = None
+        self.checkpoints_closed = False
+        self.warned_cut: set[str] = set()  # the splits whose cut sources have been named in the log
+        self.lock = acquire_workdir(workdir)  # before anything reads or writes the workdir
+        try:
+            self._start(config, workdir)
+        except BaseException:
+            self.close()  # a refused start leaves the workdir as it found it, and free
+            raise
+
+    def _start(self, config: ml_collections.ConfigDict, workdir: str) -> None:
+        settings = self.settings
+        splits = ["train", "valid"] + [s for s in settings.decode.splits if s != "valid"]
         checkpoint_dir = os.path.join(workdir, "checkpoints")
         resuming = os.path.isdir(checkpoint_dir) and any(name.isdigit() for name in os.listdir(checkpoint_dir))
         if resuming:
@@ -429,22 +452,28 @@ class Run:
                                          use_async=settings.train.async_checkpointing)
         # Averaging reads parameters only, so the last average_last checkpoints keep a params snapshot each
         # rather than needing that many full train states on disk.
-        self.snapshots = None
         if settings.decode.average_last > 1:
             self.snapshots = Checkpointer(os.path.join(workdir, PARAMS_DIR), save_every_steps=1,
                                           keep=settings.decode.average_last,
                                           use_async=settings.train.async_checkpointing)
         self.data_state: bytes | None = None  # the data iterator's state in the restored checkpoint
         self.state = self._restore_or_init()
-        self.best_checkpointer = None
         if settings.train.keep_best_checkpoint:
             self.best_checkpointer = Checkpointer(os.path.join(workdir, BEST_CHECKPOINT_DIR), save_every_steps=1,
                                                   keep=1, use_async=settings.train.async_checkpointing,
                                                   best_metric="valid_bleu")
         if self.is_writer:
-            with open(os.path.join(workdir, CONFIG_FILE), "w", encoding="utf-8") as handle:
-                handle.write(config.to_json(indent=2))
-            record_start(workdir, self.batch, self.mesh, settings)
+            workdirs.write_text(os.path.join(workdir, CONFIG_FILE), config.to_json(indent=2))
+            record_start(workdir, self.batch, self.mesh, settings, self.corpus)
+
+    def close(self) -> None:
+        """Commit every pending save, close the checkpoint managers and free the workdir (idempotent)."""
+        try:
+            self.close_checkpointers()
+        finally:
+            if self.lock is not None:
+                release_workdir(self.workdir, self.lock)
+                self.lock = None
 
     def _restore_or_init(self) -> TrainState:
         latest = self.checkpointer.latest_step()
@@ -482,10 +511,17 @@ class Run:
         for split in splits:
             start = time.perf_counter()
             sources, references = zip(*self.corpus.pairs[split])
-            hypotheses = decode.translate(search, params, self.corpus.tokenizer, list(sources),
-                                          self.settings.decode.batch_size, self.model_config.position_limit,
-                                          batch_sharding=self.batch_sharding)  # every device decodes its rows
+            settings = self.settings.decode
+            bound = settings.input_bound(self.settings.data.max_length, self.model_config.position_limit)
+            # A source past the bound is cut, so that evaluation always finishes; said once per split and run.
+            decoded = decode.search_sentences(search, params, self.corpus.tokenizer, list(sources), settings.batch_size,
+                                              bound, name=None if split in self.warned_cut else split,
+                                              max_tokens_per_batch=settings.max_tokens_per_batch,
+                                              batch_sharding=self.batch_sharding)  # every device decodes its rows
+            self.warned_cut.add(split)
+            hypotheses = decoded.translations(self.corpus.tokenizer)
             scores[split] = metrics.bleu(hypotheses, list(references), target_lang=self.settings.data.target_lang)
+            scores[split]["inputs_cut"] = decoded.cut
             scores[split]["decode_seconds"] = time.perf_counter() - start
             if self.is_writer:
                 step = int(self.state.step)
@@ -532,6 +568,9 @@ class Run:
                             if self.bleu_due(step):
                                 self._report_bleu(["valid"])
                     self.save_checkpoint(step, data_state)
+        except BaseException:
+            self.close()  # the saves already begun are committed; the workdir is free for the next start
+            raise
         finally:
             if hasattr(iterator, "close"):
                 iterator.close()  # stops grain's worker processes, on an error or a signal too
@@ -650,14 +689,14 @@ class Run:
         self.close_checkpointers()
         self.writer.close()
         if self.is_writer:
-            with open(os.path.join(self.workdir, "scores.json"), "w", encoding="utf-8") as handle:
-                json.dump(result, handle, indent=2)
+            workdirs.write_json(os.path.join(self.workdir, "scores.json"), result)
+        self.close()
         return result
 
     def finish_preempted(self, received: str) -> dict[str, Any]:
         """After a stop signal: the step's checkpoint committed, the logs closed, one line naming the step."""
         self.progress.close()
-        self.close_checkpointers()  # waits until every save is committed
+        self.close()  # waits until every save is committed, then frees the workdir
         self.writer.close()
         step = int(self.state.step)
         log.warning("%s: stopped at step %d with its checkpoint committed in %s; run the same command to resume "
@@ -665,6 +704,10 @@ class Run:
         return {"preempted": step, "signal": received}
 
     def close_checkpointers(self) -> None:
+        """Wait until every save is committed, then close the managers (once; all_steps() still answers)."""
+        if self.checkpoints_closed:
+            return
+        self.checkpoints_closed = True
         for checkpointer in (self.checkpointer, self.snapshots, self.best_checkpointer):
             if checkpointer is not None:
                 checkpointer.wait()
@@ -672,6 +715,8 @@ class Run:
 
     def save_checkpoint(self, step: int, data_state: bytes | None, force: bool = False) -> None:
         """The train state (and data state) at checkpoint steps, with a params snapshot when averaging needs one."""
+        if self.lock is not None and (force or step % self.checkpointer.save_every_steps == 0):
+            self.lock.check()  # a run whose workdir another job took over must not write into it
         if not self.checkpointer.save(step, self.state, data_state=data_state, force=force):
             return
         self.saved_at = self.train_seconds
@@ -703,8 +748,7 @@ class Run:
 
     def _write_reports(self, reports: dict[str, Any]) -> None:
         if self.is_writer:
-            with open(os.path.join(self.workdir, REPORTS_FILE), "w", encoding="utf-8") as handle:
-                json.dump(reports, handle, indent=2)
+            workdirs.write_json(os.path.join(self.workdir, REPORTS_FILE), reports)
 
     def train_iterator(self, start_step: int):
         """The grain iterator of this process's training batches, positioned after batch `start_step`."""
@@ -737,7 +781,8 @@ class Run:
                                         metrics={"valid_bleu": scores["valid"]["bleu"]})
         for split, score in scores.items():
             self.writer.write(step, {"bleu": score["bleu"], "decode_seconds": score["decode_seconds"],
-                                     "train_seconds": self.train_seconds}, f"{prefix}{split}_bleu")
+                                     "train_seconds": self.train_seconds, "inputs_cut": score["inputs_cut"]},
+                              f"{prefix}{split}_bleu")
             self.progress.write(f"step {step}: {prefix}{split} BLEU {score['bleu']:.2f} ({score['signature']}), "
                            f"decoded in {score['decode_seconds']:.1f}s")
         return scores
@@ -761,11 +806,8 @@ LEGACY_DEFAULTS = {"train.dropout_rng": "threefry2x32"}
 
 
 def read_json(path: str) -> dict[str, Any]:
-    """A workdir's JSON record, or {} before it is first written."""
-    if not os.path.exists(path):
-        return {}
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
+    """A workdir's JSON record, or {} before it is first written; a torn one is named (workdirs.read_json)."""
+    return workdirs.read_json(path, {})
 
 
 def read_run_file(workdir: str) -> dict[str, Any]:
@@ -810,16 +852,48 @@ def provenance(batch: BatchShape, mesh, settings: Settings) -> dict[str, Any]:
             "tokens_per_step": batch.tokens}
 
 
-def record_start(workdir: str, batch: BatchShape, mesh, settings: Settings) -> None:
-    """run.json: the batch shape (once, so a resume keeps the data stream) and every start's provenance,
-    written whole and renamed into place so a kill leaves the old file or the new one."""
+def record_start(workdir: str, batch: BatchShape, mesh, settings: Settings, corpus: Corpus | None = None) -> None:
+    """run.json: the batch shape, the vocabulary's and the train data's fingerprints (once: a resume keeps the
+    data stream, and is refused another vocabulary) and every start's provenance, written whole."""
     record = read_run_file(workdir)
     record.setdefault("batch", {"rows": batch.rows, "row_length": batch.row_length})
+    if corpus is not None:
+        record.setdefault("vocabulary", workdirs.vocabulary_record(corpus.tokenizer.path, corpus.tokenizer.vocab_size))
+        record.setdefault("train_data", corpus.train_source)
     record.setdefault("starts", []).append(provenance(batch, mesh, settings))
-    path = os.path.join(workdir, RUN_FILE)
-    with open(f"{path}.tmp", "w", encoding="utf-8") as handle:
-        json.dump(record, handle, indent=2)
-    os.replace(f"{path}.tmp", path)
+    workdirs.write_json(os.path.join(workdir, RUN_FILE), record)
+
+
+def acquire_workdir(workdir: str) -> workdirs.WorkdirLock | None:
+    """Process 0 takes the workdir's lock for the whole job (workdirs.WorkdirLock); every process learns whether it
+    did, so that all refuse together. A lock this process still holds from a Run it never closed is released
+    first: one process is one owner."""
+    lock, error = None, None
+    if jax.process_index() == 0:
+        previous = _HELD_LOCKS.pop(os.path.realpath(workdir), None)
+        if previous is not None:
+            previous.release()
+        try:
+            lock = workdirs.WorkdirLock(workdir).acquire()
+            _HELD_LOCKS[os.path.realpath(workdir)] = lock
+        except workdirs.WorkdirInUseError as caught:
+            error = caught
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        if not bool(multihost_utils.broadcast_one_to_all(np.int32(error is None))) and error is None:
+            error = workdirs.WorkdirInUseError(f"{workdir} is in use: process 0's log names the job that holds it")
+    if error is not None:
+        raise error
+    return lock
+
+
+def release_workdir(workdir: str, lock: workdirs.WorkdirLock) -> None:
+    if _HELD_LOCKS.get(os.path.realpath(workdir)) is lock:
+        del _HELD_LOCKS[os.path.realpath(workdir)]
+    lock.release()
+
+
+_HELD_LOCKS: dict[str, workdirs.WorkdirLock] = {}  # this process's workdir locks, by real path
 
 
 def use_compilation_cache(directory: str, workdir: str) -> None:
@@ -839,13 +913,10 @@ def read_reports(workdir: str) -> dict[str, Any]:
 def previous_train_seconds(workdir: str, start_step: int) -> float:
     """The training seconds a stopped run had spent up to start_step (its last train record in
     metrics.jsonl), so that train.max_train_minutes and the time-to-BLEU curve count the whole run."""
-    path, seconds = os.path.join(workdir, "metrics.jsonl"), 0.0
-    if start_step and os.path.exists(path):
-        with open(path, encoding="utf-8") as handle:
-            for line in handle:
-                record = json.loads(line) if line.strip() else {}
-                if record.get("split") == "train" and record["step"] <= start_step and "train_seconds" in record:
-                    seconds = record["train_seconds"]
+    seconds = 0.0
+    for record in metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if start_step else []:
+        if record.get("split") == "train" and record.get("step", 0) <= start_step and "train_seconds" in record:
+            seconds = record["train_seconds"]
     return seconds
 
 
@@ -949,7 +1020,7 @@ def restore(workdir: str, step: int | None = None, *, average_last: int = 0, bes
                              f"{where} holds only {len(averaged)} (steps {averaged}); the run kept "
                              f"decode.average_last={settings.decode.average_last} params snapshots and "
                              f"train.keep_checkpoints={settings.train.keep_checkpoints} train states")
-        tokenizer = Tokenizer(settings.data.vocab_path or os.path.join(workdir, "vocab.model"))
+        tokenizer = workdir_tokenizer(workdir, settings)
         model_config = settings.model_config(tokenizer.vocab_size)
         mesh_config, mesh = eval_mesh(settings.mesh)
         optimizer, _ = make_optimizer(settings.optimizer, model_config.emb_dim)
@@ -972,6 +1043,16 @@ def restore_for_command_line(workdir: str, step: int | None, *, average_last: in
                                                            average_last=average_last, best=best, nbest=nbest,
                                                            **decode_flags)
     return restore(workdir, step, average_last=average_last, best=best, decode_overrides=overrides)
+
+
+def workdir_tokenizer(workdir: str, settings: Settings) -> Tokenizer:
+    """The run's own vocabulary: its copy in the workdir (data.vocab_path's, for workdirs written before the copy),
+    refused unless it is the one run.json recorded."""
+    path = os.path.join(workdir, workdirs.VOCABULARY_FILE)
+    if not os.path.exists(path) and settings.data.vocab_path:
+        path = settings.data.vocab_path
+    workdirs.check_vocabulary(read_run_file(workdir).get("vocabulary"), path)
+    return Tokenizer(path)
 
 
 def eval_mesh(mesh_config: sharding.MeshConfig) -> tuple[sharding.MeshConfig, Any]:

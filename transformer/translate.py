@@ -5,11 +5,13 @@ are read from stdin (or --input), translated in batches of --batch_size lines, a
     python -m transformer.translate --workdir=runs/base --average_last=5 --input=src.en --output=hyp.de
     python -m transformer.translate --workdir=runs/base --nbest=4 --input=src.en --output=hyp.nbest
 
-An empty line gives an empty line. An input longer than a learned-position model's table is truncated to it
-with a warning (sinusoidal positions have no limit). Output lines stay aligned with input lines (with --nbest,
+An empty line gives an empty line. An input longer than the bound (the run's data.max_length, capped by a
+learned-position table; decode.max_input_length sets another) is cut to it, keeping its EOS, and one warning at
+the end names the lines cut; batches hold at most decode.max_tokens_per_batch lines x padded length. Output lines stay aligned with input lines (with --nbest,
 each hypothesis is a line of Moses' n-best format, `index ||| translation ||| LogProb= log P ||| score`, the
 index counting input lines from 0). Every decoding flag left unset takes the workdir config's decode value, as
-in eval.py. Each batch is split over every device (transformer/decode.py).
+in eval.py. Each batch is split over every device (transformer/decode.py). Exit status: 0 done, 1 an error printed
+as `error: <message>` (--traceback for its traceback).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import TextIO
 
 from absl import app, flags, logging
 
-from transformer import decode, trainer
+from transformer import decode, errors, trainer
 
 flags.DEFINE_string("workdir", None, "A directory written by train.py.", required=True)
 flags.DEFINE_integer("step", None, "Checkpoint step to restore (default: the latest).")
@@ -36,6 +38,8 @@ flags.DEFINE_integer("max_extra_length", None, "Outputs may have up to input len
                      "(default: the config's decode.max_extra_length).")
 flags.DEFINE_integer("batch_size", None, "Lines translated together, rounded up to whole rows per device; output "
                      "is written after each batch (default: the config's decode.batch_size).")
+flags.DEFINE_integer("max_tokens_per_batch", None, "At most this many lines x padded source length per decoding "
+                     "batch; 0: no budget (default: the config's decode.max_tokens_per_batch).")
 flags.DEFINE_integer("nbest", 0, "Write the N best hypotheses of each line (N <= beam size) in Moses' n-best "
                      "format instead of the translations (0: the best translation only).")
 flags.DEFINE_string("input", None, "A file of source sentences, one per line (default: stdin).")
@@ -48,40 +52,47 @@ def chunks(lines: TextIO, size: int) -> Iterator[list[str]]:
         yield chunk
 
 
-def translate_stream(restored: trainer.Restored, lines: TextIO, out: TextIO, batch_size: int, nbest: int = 0) -> int:
+def translate_stream(restored: trainer.Restored, lines: TextIO, out: TextIO, batch_size: int, nbest: int = 0,
+                     name: str = "stdin") -> int:
     """Translate every line of `lines` into `out`, a batch at a time (batch_size rounded up to whole rows per
-    device); with nbest, write each line's n-best list instead. Returns the number of lines."""
-    search = restored.settings.decode.search_fn(restored.graphdef, restored.settings.seed, scores=nbest > 0)
+    device); with nbest, write each line's n-best list instead. Inputs longer than the bound are cut, with one
+    warning at the end naming `name` and the lines. Returns the number of lines."""
+    settings = restored.settings.decode
+    search = settings.search_fn(restored.graphdef, restored.settings.seed, scores=nbest > 0)
+    bound = settings.input_bound(restored.settings.data.max_length, restored.model_config.position_limit)
     batch_sharding = restored.batch_sharding
-    rows, count = decode.rows_per_batch(batch_size, batch_sharding), 0
+    rows, count, cut_lines = decode.rows_per_batch(batch_size, batch_sharding), 0, []
     for chunk in chunks(lines, rows):
-        args = (search, restored.params, restored.tokenizer, chunk, rows, restored.model_config.position_limit)
+        decoded = decode.search_sentences(search, restored.params, restored.tokenizer, chunk, rows, bound,
+                                          name=None, max_tokens_per_batch=settings.max_tokens_per_batch,
+                                          batch_sharding=batch_sharding)
         if nbest:
-            found = decode.search_nbest(*args, nbest=nbest, batch_sharding=batch_sharding)
-            written = decode.nbest_lines(found, restored.tokenizer, first_index=count)
+            written = decode.nbest_lines([h[:nbest] for h in decoded.hypotheses], restored.tokenizer,
+                                         first_index=count)
         else:
-            written = decode.translate(*args, batch_sharding=batch_sharding)
+            written = decoded.translations(restored.tokenizer)
         out.writelines(line + "\n" for line in written)
         out.flush()
+        cut_lines += [count + line for line in decoded.cut_lines]
         count += len(chunk)
+    decode.warn_cut(name, cut_lines, count, bound)
     return count
 
 
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        raise errors.ConfigError(f"unexpected arguments {argv[1:]}: every option is a --flag=value")
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
-    try:
+    with errors.as_config_error():  # a bad flag or saved setting is named before anything is restored
         restored = trainer.restore_for_command_line(
             FLAGS.workdir, FLAGS.step, average_last=FLAGS.average_last, best=FLAGS.best, nbest=FLAGS.nbest,
             **{name: FLAGS[name].value for name in decode.COMMAND_LINE_OVERRIDES})
-    except ValueError as error:
-        raise app.UsageError(str(error)) from error
     source = open(FLAGS.input, encoding="utf-8") if FLAGS.input else sys.stdin
     out = open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output else sys.stdout
     try:
-        translate_stream(restored, source, out, restored.settings.decode.batch_size, FLAGS.nbest)
+        translate_stream(restored, source, out, restored.settings.decode.batch_size, FLAGS.nbest,
+                         FLAGS.input or "stdin")
     finally:
         for handle in (source, out):
             if handle not in (sys.stdin, sys.stdout):
@@ -89,4 +100,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(errors.main_with_messages(main))

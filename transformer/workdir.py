@@ -1,0 +1,518 @@
+"""The workdir: one owner at a time, files that a kill cannot tear, and the identity of its vocabulary.
+
+**One owner.** A training job holds `workdir/lock.json` (host, pid, when it started, a heartbeat) from start to
+end; a second job on the same workdir is refused at once with `WorkdirInUseError`, naming the holder. In a
+multi-host job only process 0 takes the lock: the job's processes are one owner.
+
+The lock is created atomically: written whole under a temporary name, then hard-linked to `lock.json`, which
+fails if `lock.json` exists (the classic way that is atomic on local disks and on NFS, where O_EXCL once was
+not; on a filesystem without hard links, O_CREAT | O_EXCL instead). The holder's daemon thread rewrites the
+heartbeat every `heartbeat_seconds` (60 s) through its own open file, so a refresh can never overwrite a
+lock that another job has since taken over.
+
+**Staleness rule.** A lock is stale, and taken over with a one-line warning naming the old holder, when
+- it was written on this machine (same host name, boot and pid namespace) and its pid is no longer running,
+  or is running but is another process (its start time differs: the pid was reused); or
+- its heartbeat is older than `stale_after_seconds` (10 minutes: ten missed refreshes), wherever it was
+  written. Pids of other hosts cannot be checked, so a job whose host died is taken over only after that;
+  the heartbeat is compared with this host's clock, so clocks must agree to well within that threshold.
+A lock that cannot be parsed is judged by its file's modification time under the second rule.
+
+Taking over is race-free: a taker first creates the claim file `lock.json.<holder's token>.claim`
+exclusively, so of several starters finding the same stale lock only one removes it, and only if it is still
+that lock; a release goes through the same claim, so it removes the lock only if it is still its own.
+
+On object storage mounted as a filesystem (gcsfuse, s3fs, ...) there are neither hard links nor an atomic
+O_EXCL, and the same rule applies with the heartbeat time only. What holds there: a job that starts while
+another's lock is visible is refused, and a dead job's lock is taken over once its heartbeat is older than
+the threshold. What does not: two jobs starting within the same few seconds may both get the lock, and a
+takeover or a refresh racing another job's is not guarded.
+
+**Files.** `write_json`, `write_text` and `write_bytes` write a temporary file in the same directory, fsync
+it and rename it into place, so a kill leaves the old file or the new one, never part of one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import errno
+import hashlib
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from typing import Any
+
+from transformer.errors import ReportedError
+from transformer.sources import DataError
+
+LOCK_FILE = "lock.json"
+VOCABULARY_FILE = "vocab.model"
+
+log = logging.getLogger("transformer")  # the console logger that transformer.metrics sets up
+
+
+class WorkdirInUseError(ReportedError, RuntimeError):
+    """Another live job holds the workdir. A RuntimeError, not a ValueError: no argument is wrong, the same
+    command succeeds once that job ends, and it must not be mistaken for a config error."""
+
+
+class WorkdirLockLost(ReportedError, RuntimeError):
+    """This job's workdir lock was taken over (judged stale) by another job."""
+
+
+class WorkdirFileError(ReportedError, ValueError):
+    """A workdir file exists but cannot be read as what it should be."""
+
+
+class VocabularyMismatchError(DataError):
+    """The vocabulary file is not the one the workdir's run was trained with."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Files a kill cannot tear
+
+
+def _temporary_path(path: str) -> str:
+    directory, name = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _fsync_directory(directory: str) -> None:
+    """Makes a rename durable across a power loss; some filesystems cannot open or fsync a directory."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Replace `path` with `data` atomically: a temporary file beside it, fsynced, then renamed over it."""
+    temporary = _temporary_path(path)
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
+    try:
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+    _fsync_directory(os.path.dirname(os.path.abspath(path)))
+
+
+def write_text(path: str, text: str) -> None:
+    write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: str, obj: Any, *, indent: int | None = 2) -> None:
+    write_text(path, json.dumps(obj, indent=indent) + "\n")
+
+
+def copy_file(source: str, destination: str) -> None:
+    """Copy `source` to `destination` atomically (for small files: read whole)."""
+    with open(source, "rb") as handle:
+        write_bytes(destination, handle.read())
+
+
+_ABSENT = object()
+
+
+def read_json(path: str, default: Any = _ABSENT, *, cache: bool = False) -> Any:
+    """The JSON value in `path`, or `default` (an empty dict unless given) when there is no such file.
+
+    A file that exists but is not valid JSON raises WorkdirFileError naming it: a record (run.json,
+    reports.json) must not be silently replaced by an empty one. With cache=True (a file that can be
+    recomputed) it is only warned about and `default` returned."""
+    default = {} if default is _ABSENT else default
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except FileNotFoundError:
+        return default
+    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
+        message = f"{path} is not valid JSON ({error})"
+        if cache:
+            log.warning("%s; ignoring it", message)
+            return default
+        raise WorkdirFileError(f"{message}: the file is damaged; repair it, or move it aside to start it anew") \
+            from error
+
+
+# ----------------------------------------------------------------------------------------------------
+# The vocabulary's identity
+
+
+def fingerprint(path: str) -> str:
+    """The sha256 hex digest of the file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def vocabulary_record(path: str, vocab_size: int) -> dict[str, Any]:
+    """What run.json keeps of the vocabulary a run trains with."""
+    return {"file": os.path.basename(path), "sha256": fingerprint(path), "pieces": int(vocab_size)}
+
+
+def check_vocabulary(recorded: dict[str, Any] | None, path: str) -> None:
+    """Refuse `path` unless it is the recorded vocabulary (`vocabulary_record`); a workdir written before
+    vocabularies were recorded (None) passes."""
+    if not recorded:
+        return
+    found = fingerprint(path)
+    if found != recorded.get("sha256"):
+        raise VocabularyMismatchError(
+            f"{path} (sha256 {found}) is not the vocabulary this run was trained with ({recorded.get('file')}, "
+            f"sha256 {recorded.get('sha256')}, {recorded.get('pieces')} pieces); put that file back, or use a new "
+            "--workdir")
+
+
+# ----------------------------------------------------------------------------------------------------
+# One owner per workdir
+
+
+def _now_text(seconds: float | None = None) -> str:
+    """UTC with milliseconds: a fixed width, so a heartbeat rewrite never changes the lock file's length."""
+    moment = datetime.datetime.fromtimestamp(time.time() if seconds is None else seconds, datetime.timezone.utc)
+    return moment.isoformat(timespec="milliseconds")
+
+
+def _seconds_of(text: Any) -> float | None:
+    try:
+        return datetime.datetime.fromisoformat(text).timestamp()
+    except (TypeError, ValueError):
+        return None
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 120:
+        return f"{max(seconds, 0):.0f}s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def _read_first_line(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.readline().strip() or None
+    except OSError:
+        return None
+
+
+def this_machine() -> dict[str, Any]:
+    """What makes a pid meaningful: the host name, this boot of it, and the pid namespace (containers on one
+    host share its name and boot but not their pids)."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = None
+    return {"host": socket.gethostname(), "boot_id": _read_first_line("/proc/sys/kernel/random/boot_id"),
+            "pid_namespace": namespace}
+
+
+def _proc_stat(pid: int) -> tuple[str, str] | None:
+    """(state, start time in clock ticks since boot) from /proc, or None where there is no /proc entry."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as handle:
+            fields = handle.read().rpartition(")")[2].split()  # after the command name, which may hold spaces
+    except OSError:
+        return None
+    return fields[0], fields[19]
+
+
+def process_start(pid: int) -> str | None:
+    """A token that differs between two processes that had the same pid, where the system tells it cheaply."""
+    stat = _proc_stat(pid)
+    return stat[1] if stat else None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid runs on this machine (a zombie, killed but not yet reaped, does not)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    stat = _proc_stat(pid)
+    return stat is None or stat[0] != "Z"
+
+
+def stale_reason(holder: dict[str, Any] | None, *, modified: float, now: float, stale_after_seconds: float,
+                 machine: dict[str, Any]) -> str | None:
+    """Why a lock is stale under the module's rule, or None while its holder may be alive. `holder` is the
+    lock's record (None: unreadable), `modified` its file's modification time."""
+    if holder is None:
+        age = now - modified
+        return f"it is unreadable and was last modified {_ago(age)} ago" if age > stale_after_seconds else None
+    pid = holder.get("pid")
+    if all(holder.get(key) == value for key, value in machine.items()):
+        if not pid_alive(pid):
+            return f"pid {pid} is no longer running on this host"
+        started = holder.get("process_start")
+        if started and process_start(pid) not in (None, started):
+            return f"pid {pid} on this host is now another process"
+    heartbeat = _seconds_of(holder.get("heartbeat"))
+    age = now - (modified if heartbeat is None else heartbeat)
+    if age > stale_after_seconds:
+        return f"its last heartbeat was {_ago(age)} ago, over the {_ago(stale_after_seconds)} allowed"
+    return None
+
+
+def describe(holder: dict[str, Any] | None, now: float | None = None) -> str:
+    """'pid 123 on host-a (started ..., last heartbeat 12s ago)' for messages."""
+    if holder is None:
+        return "an unknown holder (the lock is unreadable)"
+    heartbeat = _seconds_of(holder.get("heartbeat"))
+    beat = f", last heartbeat {_ago((now or time.time()) - heartbeat)} ago" if heartbeat is not None else ""
+    return f"pid {holder.get('pid')} on {holder.get('host')} (started {holder.get('started')}{beat})"
+
+
+_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
+
+
+def create_exclusive(path: str, data: bytes) -> int | None:
+    """Create `path` holding `data` only if it does not exist; returns a read-write descriptor of the new file,
+    or None when `path` already exists. The file appears whole (hard link of a complete temporary file)."""
+    temporary = _temporary_path(path)
+    fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _write_all(fd, data)
+        os.fsync(fd)
+        try:
+            os.link(temporary, path)
+            created = True
+        except FileExistsError:
+            created = os.fstat(fd).st_nlink == 2  # NFS: a retried link whose first attempt had succeeded
+        except OSError as error:
+            if error.errno not in _NO_HARD_LINKS:
+                raise
+            created = None
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+    if created:
+        return fd
+    os.close(fd)
+    if created is None:  # no hard links here: O_EXCL, where the file is briefly empty (readers retry)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return None
+        _write_all(fd, data)
+        os.fsync(fd)
+        return fd
+    return None
+
+
+def read_lock(path: str, attempts: int = 4) -> tuple[dict[str, Any] | None, str, float] | None:
+    """(record or None if unreadable, identity, modification time) of the lock at `path`, or None if there is
+    none. The identity is the holder's token, or for an unreadable lock a digest of its bytes. A lock being
+    created or refreshed can be caught mid-write, so an unparsable one is read again a few times."""
+    for attempt in range(attempts):
+        try:
+            with open(path, "rb") as handle:
+                raw = handle.read()
+                modified = os.fstat(handle.fileno()).st_mtime
+        except FileNotFoundError:
+            return None
+        try:
+            record = json.loads(raw)
+            if isinstance(record, dict) and isinstance(record.get("token"), str):
+                return record, record["token"], modified
+        except ValueError:
+            pass
+        if attempt < attempts - 1:
+            time.sleep(0.05)
+    return None, "unreadable-" + hashlib.sha256(raw).hexdigest()[:16], modified
+
+
+class WorkdirLock:
+    """`workdir/lock.json`, held from acquire() to release() (or as a context manager); see the module's
+    docstring for the staleness rule. One object per owning process; acquire() raises WorkdirInUseError
+    while another live job holds it."""
+
+    def __init__(self, workdir: str, *, heartbeat_seconds: float = 60.0, stale_after_seconds: float = 600.0,
+                 takeover_timeout_seconds: float = 10.0):
+        if heartbeat_seconds <= 0 or stale_after_seconds < 3 * heartbeat_seconds:
+            raise ValueError(f"stale_after_seconds={stale_after_seconds} must be at least 3 heartbeats of "
+                             f"heartbeat_seconds={heartbeat_seconds}, so that a live holder is never judged stale")
+        self.workdir, self.path = workdir, os.path.join(workdir, LOCK_FILE)
+        self.heartbeat_seconds, self.stale_after_seconds = heartbeat_seconds, stale_after_seconds
+        self.takeover_timeout_seconds = takeover_timeout_seconds
+        self.record: dict[str, Any] | None = None  # ours while held
+        self.lost: str | None = None  # why we no longer hold it, once the heartbeat finds it taken over
+        self._fd: int | None = None
+        self._pid: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None and self.lost is None
+
+    def _new_record(self) -> dict[str, Any]:
+        now = _now_text()
+        return {"host": socket.gethostname(), "pid": os.getpid(), "started": now, "command": " ".join(sys.argv)[:500],
+                "token": uuid.uuid4().hex, **{k: v for k, v in this_machine().items() if k != "host"},
+                "process_start": process_start(os.getpid()), "heartbeat": now}
+
+    def acquire(self, wait_seconds: float = 0.0) -> "WorkdirLock":
+        """Take the lock, or raise WorkdirInUseError at once while a live job holds it; with wait_seconds, wait
+        up to that long first for it to be released or to go stale (e.g. a job requeued on another host)."""
+        if self._fd is not None:
+            raise RuntimeError(f"{self.path} is already held by this WorkdirLock")
+        os.makedirs(self.workdir, exist_ok=True)
+        machine, start = this_machine(), time.monotonic()
+        stuck_after = start + self.takeover_timeout_seconds
+        while True:
+            status, detail = self._attempt(machine)
+            now = time.monotonic()
+            if status == "acquired":
+                return self
+            if status == "in use":
+                if now - start >= wait_seconds:
+                    raise WorkdirInUseError(self._in_use_message(detail, time.time()))
+                stuck_after = now + self.takeover_timeout_seconds  # waiting for a live holder is not a stuck takeover
+                time.sleep(min(0.25, start + wait_seconds - now))
+            elif status == "taking over" and now > stuck_after:
+                raise WorkdirInUseError(
+                    f"{self.path} is stale but {detail} shows a takeover that did not finish in "
+                    f"{self.takeover_timeout_seconds:.0f}s; if no other job is starting on {self.workdir}, "
+                    f"delete {detail}")
+            elif status == "taking over":
+                time.sleep(0.02)  # another starter is taking it over: look again once it has
+
+    def _attempt(self, machine: dict[str, Any]) -> tuple[str, Any]:
+        """One try: ("acquired", None); ("retry", None) when the lock vanished or we removed a stale one;
+        ("in use", holder record); ("taking over", claim path) while another starter takes a stale lock over."""
+        record = self._new_record()
+        fd = create_exclusive(self.path, _encode(record))
+        if fd is not None:
+            self._hold(fd, record)
+            return "acquired", None
+        found = read_lock(self.path)
+        if found is None:
+            return "retry", None  # released or taken over between our two looks
+        holder, identity, modified = found
+        now = time.time()
+        reason = stale_reason(holder, modified=modified, now=now, stale_after_seconds=self.stale_after_seconds,
+                              machine=machine)
+        if reason is None:
+            return "in use", holder
+        claim = f"{self.path}.{identity}.claim"
+        if not remove_if_unchanged(self.path, identity, claim):
+            return "taking over", claim
+        log.warning("took over the stale workdir lock %s of %s: %s", self.path, describe(holder, now), reason)
+        return "retry", None
+
+    def _in_use_message(self, holder: dict[str, Any] | None, now: float) -> str:
+        mine = holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
+        whom = "this process (a WorkdirLock of it not released)" if mine else describe(holder, now)
+        return (f"{self.workdir} is in use: {self.path} is held by {whom}. Wait for that run to end, use another "
+                f"--workdir, or delete {self.path} if you know that run is dead.")
+
+    def _hold(self, fd: int, record: dict[str, Any]) -> None:
+        self._fd, self.record, self._pid, self.lost = fd, record, os.getpid(), None
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat, name="workdir-lock-heartbeat", daemon=True)
+        self._thread.start()
+        atexit.register(self.release)  # a run that ends without release() still frees its workdir
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_seconds):
+            try:
+                self.check()
+                self.record = {**self.record, "heartbeat": _now_text()}
+                data = _encode(self.record)
+                os.pwrite(self._fd, data, 0)  # our own file: a lock another job took over is another file
+                if os.fstat(self._fd).st_size != len(data):
+                    os.ftruncate(self._fd, len(data))
+                os.fsync(self._fd)
+            except (WorkdirLockLost, OSError) as error:
+                self.lost = self.lost or f"{error}"
+                log.warning("lost the workdir lock %s: %s", self.path, self.lost)
+                return
+
+    def check(self) -> None:
+        """Raise WorkdirLockLost if the lock is no longer ours (another job judged it stale and took it)."""
+        if self._fd is None:
+            raise WorkdirLockLost(f"{self.path} is not held by this process")
+        if self.lost:
+            raise WorkdirLockLost(self.lost)
+        found = read_lock(self.path)
+        if found is None or found[1] != self.record["token"]:
+            holder = None if found is None else found[0]
+            self.lost = (f"{self.path} is now held by {describe(holder)}" if found else f"{self.path} was removed")
+            raise WorkdirLockLost(self.lost)
+
+    def release(self) -> bool:
+        """Stop the heartbeat and remove the lock if it is still ours; returns whether it was removed."""
+        if self._fd is None or os.getpid() != self._pid:  # a forked child never frees its parent's lock
+            return False
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        removed = False
+        try:
+            token = self.record["token"]
+            removed = remove_if_unchanged(self.path, token, f"{self.path}.{token}.claim")
+        finally:
+            os.close(self._fd)
+            self._fd, self._thread = None, None
+            atexit.unregister(self.release)
+        if not removed:
+            log.warning("left %s in place: it is no longer this process's lock", self.path)
+        return removed
+
+    def __enter__(self) -> "WorkdirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
+
+
+def remove_if_unchanged(path: str, identity: str, claim: str) -> bool:
+    """Remove the lock at `path` if it is still the one of `identity`. The claim file, created exclusively,
+    makes this one remover's act: every removal of a lock goes through its claim, so the lock seen under the
+    claim cannot be replaced before it is removed, and of two removers only the first succeeds."""
+    fd = create_exclusive(claim, _encode({"host": socket.gethostname(), "pid": os.getpid(), "time": _now_text()}))
+    if fd is None:
+        return False
+    try:
+        found = read_lock(path)
+        if found is None or found[1] != identity:
+            return False
+        os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
+        os.unlink(claim)
+
+
+def _encode(record: dict[str, Any]) -> bytes:
+    return (json.dumps(record, indent=1) + "\n").encode("utf-8")
