@@ -4,6 +4,7 @@ committed checkpoint restores and that the final parameters are bitwise equal to
 
     python scripts/fault_drill.py                      # 10 interruptions
     python scripts/fault_drill.py --interruptions=3 --steps=120
+    python scripts/fault_drill.py --time_sigterm --config=configs/base.py --config.data.source=builtin ...
 
 Its last line:
 
@@ -126,13 +127,47 @@ def final_params_equal(reference: str, drilled: str) -> bool:
         for x, y in zip(leaves_a, leaves_b))
 
 
+def time_sigterm(train_args: list[str], root: str, after_step: int = 3) -> int:
+    """Seconds from a SIGTERM, sent once `after_step` is logged, to train.py's exit (its step finished and its
+    checkpoint committed): what a cluster's grace period must cover. `train_args`: train.py's config flags."""
+    workdir, log_path = os.path.join(root, "sigterm"), os.path.join(root, "sigterm.log")
+    if os.path.exists(workdir):
+        sys.exit(f"{workdir} exists: choose another --workdir")
+    with open(log_path, "w", encoding="utf-8") as log:
+        process = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), f"--workdir={workdir}",
+                                    f"--config.train.log_every_steps=1", *train_args], stdout=log,
+                                   stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        while process.poll() is None:
+            with open(log_path, encoding="utf-8") as handle:
+                if re.search(rf"step {after_step}: loss", handle.read()):
+                    break
+            time.sleep(0.01)
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        code = process.wait()
+        seconds = time.monotonic() - sent
+    text = open(log_path, encoding="utf-8").read()
+    params = re.search(r"model: ([\d,]+) parameters", text)
+    stopped = STOP_LINE.search(text)
+    print(f"SIGTERM to exit: {seconds:.2f}s (exit {code}; {params.group(1) if params else '?'} parameters; "
+          f"stopped at step {stopped.group(1) if stopped else '?'}, committed: {committed_steps(workdir)}); log: "
+          f"{log_path}")
+    return 0 if code == EXIT_PREEMPTED and stopped else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--interruptions", type=int, default=10)
     parser.add_argument("--steps", type=int, default=200, help="train.num_train_steps of the drilled job")
     parser.add_argument("--seed", type=int, default=0, help="chooses the signals' order and moments")
     parser.add_argument("--workdir", default=None, help="where the two runs go (default: a new temporary directory)")
-    args = parser.parse_args()
+    parser.add_argument("--time_sigterm", action="store_true",
+                        help="instead of the drill: time one SIGTERM of train.py run with the remaining arguments")
+    args, train_args = parser.parse_known_args()
+    if args.time_sigterm:
+        return time_sigterm(train_args, args.workdir or tempfile.mkdtemp(prefix="fault_drill_"))
+    if train_args:
+        parser.error(f"unrecognized arguments: {' '.join(train_args)} (train.py flags go with --time_sigterm)")
     if args.interruptions < 1 or args.steps < 2 * args.interruptions:
         parser.error("--interruptions must be >= 1 and --steps at least twice as many")
     root = args.workdir or tempfile.mkdtemp(prefix="fault_drill_")

@@ -10,13 +10,25 @@ last `decode.average_last` checkpoints so that averaging N needs N parameter set
 
 A restore first compares the checkpoint's array shapes with the model being built, so a checkpoint
 from another model shape fails with a message naming the first differing parameter, and is not touched.
+
+Damage and failed saves: a resume (`restore_latest`) and an evaluation of the latest checkpoints
+(`average_readable_params`) pass over a checkpoint that cannot be read (a truncated or missing array file, a
+missing item, torn metadata) with a warning, and use the one before it; a resume then moves the unreadable ones
+aside (`<step>.damaged-<time>`, a name Orbax does not list, keep or delete), so that it saves those steps again
+without overwriting anything. A save whose background write failed (a full disk) raises CheckpointSaveError at
+the next `save` or `wait`; Orbax keeps the older checkpoints, and only a committed save replaces them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import glob
 import json
+import logging
 import os
+import re
+import time
 from typing import Any
 
 import grain
@@ -25,11 +37,57 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from transformer import errors
+
 PyTree = Any
+log = logging.getLogger("transformer")  # the trainer's console logger (transformer.metrics sets its handler)
+DAMAGED_MARK = ".damaged-"  # <step>.damaged-<time>: not a step name to Orbax (digits only), so never listed
 
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint on disk does not fit the model being built."""
+
+
+class CheckpointUnreadableError(errors.ReportedError, RuntimeError):
+    """A checkpoint that cannot be read (a truncated or missing file, a missing item, torn metadata): damage, not
+    a different model."""
+
+
+class CheckpointSaveError(errors.ReportedError, RuntimeError):
+    """A save that failed (a full disk, an unwritable directory); the older checkpoints are kept."""
+
+
+def _first_line(error: BaseException) -> str:
+    """An Orbax or TensorStore error in one line: its root cause (Orbax wraps TensorStore's status in an
+    Exception that prints the whole TensorStore spec), without the spec some of them append."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    message = error.args[0] if isinstance(error, KeyError) and error.args else error  # KeyError quotes its str
+    lines = str(message).strip().splitlines()
+    text = lines[0].split(" [tensorstore_spec=")[0] if lines else ""
+    return f"{type(error).__name__}: {text[:300]}"
+
+
+def _os_error(error: BaseException) -> str:
+    """The OS error under a failed write (TensorStore reports it as os_error_code), else its first line."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return f"{errno.errorcode.get(seen.errno, seen.errno)} ({seen.strerror})"
+        match = re.search(r"os_error_code='?(\d+)", str(seen))
+        if match:
+            code = int(match.group(1))
+            return f"{errno.errorcode.get(code, code)} ({os.strerror(code)})"
+        seen = seen.__cause__ or seen.__context__
+    return _first_line(error)
+
+
+def _on_every_process(ok: bool) -> bool:
+    """Whether `ok` holds on every process: processes that chose different checkpoints would train apart."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+    return bool(np.min(multihost_utils.process_allgather(np.int32(ok))))
 
 
 def _path_str(path) -> str:
@@ -90,6 +148,7 @@ class Checkpointer:
                  read_only: bool = False, best_metric: str | None = None):
         self.directory = os.path.abspath(directory)
         self.save_every_steps = save_every_steps
+        self.read_only = read_only
         best = {} if best_metric is None else dict(
             best_fn=lambda metrics: metrics[best_metric], best_mode="max", keep_checkpoints_without_metrics=False)
         # The interval is ours to apply (orbax's policy would also save the very first step of a run).
@@ -103,6 +162,7 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
             STATE_ITEM: ocp.StandardCheckpointHandler(), DATA_ITEM: grain.checkpoint.CheckpointHandler()})
         self.last_saved = self.manager.latest_step()  # the newest committed step when this run started
+        self.pending: int | None = None  # the step of an asynchronous save not yet known to have committed
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -110,36 +170,103 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
 
+    @contextlib.contextmanager
+    def _reading(self, step: int):
+        """Inside, an error reading `step` is a CheckpointUnreadableError naming it; a mismatch stays one."""
+        try:
+            yield
+        except (CheckpointMismatchError, MemoryError):
+            raise
+        # Damage surfaces as TensorStore's ValueError (a truncated or missing array file), KeyError (a missing
+        # item), JSONDecodeError (torn metadata) or OSError, so anything else raised while reading is damage.
+        except Exception as error:
+            raise CheckpointUnreadableError(f"the checkpoint of step {step} in {self.directory} cannot be read: "
+                                            f"{_first_line(error)}") from error
+
     def restore(self, abstract_state: PyTree, step: int | None = None) -> PyTree:
-        """Restore `step` (default: latest) into the structure, shapes and dtypes of `abstract_state`."""
+        """Restore `step` (default: latest) into the structure, shapes and dtypes of `abstract_state`.
+        Raises CheckpointMismatchError (another model) or CheckpointUnreadableError (damage)."""
         step = self.latest_step() if step is None else step
         if step is None or step not in self.all_steps():
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; found {self.all_steps()}")
-        check_compatible(self.manager.item_metadata(step)[STATE_ITEM], abstract_state, self.directory)
-        args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract_state)})
-        return self.manager.restore(step, args=args)[STATE_ITEM]
+        with self._reading(step):
+            check_compatible(self.manager.item_metadata(step)[STATE_ITEM], abstract_state, self.directory)
+            args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract_state)})
+            return self.manager.restore(step, args=args)[STATE_ITEM]
 
     def restore_data_state(self, step: int) -> bytes | None:
         """This process's data iterator state saved at `step`; None for a checkpoint written without one.
 
         Every process's state is the same (each computes the whole packing plan and takes its own block of rows),
         so a checkpoint written by another number of processes restores onto this one: its files
-        (`process_<i>-of-<n>.json`, grain's names) are read and must agree."""
+        (`process_<i>-of-<n>.json`, grain's names) are read and must agree. A missing or torn state of a
+        checkpoint that saved one raises CheckpointUnreadableError."""
         directory = os.path.join(self.directory, str(step), DATA_ITEM)
-        if not os.path.isdir(directory):
-            return None
-        own = os.path.join(directory, f"process_{jax.process_index()}-of-{jax.process_count()}.json")
-        names = [own] if os.path.exists(own) else sorted(glob.glob(os.path.join(directory, "process_*-of-*.json")))
-        states = {}
-        for name in names:
-            with open(name, "rb") as handle:
-                states[name] = handle.read()
-        if not states:
-            raise CheckpointMismatchError(f"{directory} holds no data iterator state (process_<i>-of-<n>.json)")
-        if len({json.dumps(json.loads(s), sort_keys=True) for s in states.values()}) > 1:
+        with self._reading(step):
+            if not os.path.isdir(directory):
+                # The step's metadata lists the items it saved: a checkpoint of an older version saved no data item.
+                if DATA_ITEM in (self.manager.metadata(step).item_handlers or {}):
+                    raise FileNotFoundError(f"its data iterator state ({directory}) is missing")
+                return None
+            own = os.path.join(directory, f"process_{jax.process_index()}-of-{jax.process_count()}.json")
+            names = [own] if os.path.exists(own) else sorted(glob.glob(os.path.join(directory, "process_*-of-*.json")))
+            if not names:
+                raise FileNotFoundError(f"{directory} holds no data iterator state (process_<i>-of-<n>.json)")
+            states = {}
+            for name in names:
+                with open(name, "rb") as handle:
+                    states[name] = handle.read()
+            parsed = {json.dumps(json.loads(s), sort_keys=True) for s in states.values()}  # a torn file fails here
+        if len(parsed) > 1:
             raise CheckpointMismatchError(f"the data iterator states in {directory} differ between processes, so "
                                           f"they cannot be restored onto {jax.process_count()} process(es)")
         return next(iter(states.values()))
+
+    def restore_latest(self, abstract_state: PyTree) -> tuple[int, PyTree, bytes | None] | None:
+        """(step, state, data iterator state) of the newest checkpoint that can be read, both from that step; None
+        when there is none. An unreadable one is passed over with a warning and, unless read-only, moved aside by
+        process 0 (`<step>.damaged-<time>`, kept but no longer a step), so that this run saves that step again.
+        A CheckpointMismatchError (another model) is raised, not passed over; CheckpointUnreadableError when no
+        checkpoint can be read (then nothing is moved)."""
+        steps, unreadable = self.all_steps(), []
+        for step in reversed(steps):
+            try:
+                state, data_state = self.restore(abstract_state, step), self.restore_data_state(step)
+                error = None
+            except CheckpointUnreadableError as raised:
+                error = raised
+            if _on_every_process(error is None):
+                self._set_aside(unreadable)
+                return step, state, data_state
+            log.warning("%s; passed over", error or f"the checkpoint of step {step} in {self.directory} cannot be "
+                        "read on another process")
+            unreadable.append(step)
+        if not steps:
+            return None
+        raise CheckpointUnreadableError(f"no checkpoint in {self.directory} can be read (steps {steps}, each "
+                                        "warned above); move them aside or use another --workdir")
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Rename the unreadable `steps` to names Orbax ignores, so that saving them again overwrites nothing."""
+        if not steps or self.read_only:
+            return
+        if jax.process_index() == 0:
+            for step in steps:
+                target = self._unused_path(f"{step}{DAMAGED_MARK}{time.strftime('%Y%m%dT%H%M%S')}")
+                os.rename(os.path.join(self.directory, str(step)), target)
+                log.warning("moved the unreadable checkpoint of step %d aside to %s (kept, not deleted), so this run "
+                            "can save step %d again", step, target, step)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"checkpoints set aside in {self.directory}")
+        self.manager.reload()
+        self.last_saved = self.manager.latest_step()
+
+    def _unused_path(self, name: str) -> str:
+        path, attempt = os.path.join(self.directory, name), 1
+        while os.path.exists(path):
+            path, attempt = os.path.join(self.directory, f"{name}-{attempt}"), attempt + 1
+        return path
 
     def best_step(self) -> int | None:
         return self.manager.best_step()
@@ -148,26 +275,57 @@ class Checkpointer:
              metrics: dict[str, float] | None = None) -> bool:
         """Start an asynchronous save when `step` is a multiple of save_every_steps (or force); returns whether
         it saves. The state is copied to the host before this returns, so the caller may donate it next.
-        `data_state`: the data iterator's state after the batch of `step` (see IteratorState)."""
+        `data_state`: the data iterator's state after the batch of `step` (see IteratorState).
+
+        Raises CheckpointSaveError for this save, or for an earlier one whose background write failed: checked
+        at every call (without waiting while a save is still writing), so the loop stops within a step of it."""
+        if self.pending is not None and not self.manager.is_saving_in_progress():
+            self._finish_pending()
         if not force and step % self.save_every_steps:
             return False
         # Already saved (a forced save, e.g. a train.report_minutes mark, or the end): decided on what this object
         # saved, not on the disk, which processes may see at different moments while an async save commits.
         if step == self.last_saved:
             return False
+        self._finish_pending()  # orbax would wait for it anyway; waiting here lets its error name its own step
+        if step in self.all_steps():  # written by an earlier run: a checkpoint is never overwritten
+            log.warning("a checkpoint of step %d is already in %s; it is kept and this run's step %d is not saved",
+                        step, self.directory, step)
+            return False
         items = {STATE_ITEM: ocp.args.StandardSave(state)}
         if data_state is not None:
             items[DATA_ITEM] = grain.checkpoint.CheckpointSave(IteratorState(data_state))
-        saved = self.manager.save(step, args=ocp.args.Composite(**items), force=True, metrics=metrics)
-        self.last_saved = step if saved else self.last_saved
+        try:
+            saved = self.manager.save(step, args=ocp.args.Composite(**items), force=True, metrics=metrics)
+        except Exception as error:  # a synchronous save's write, or an asynchronous one's directory creation
+            raise self._save_error(step, error) from error
+        if saved:
+            self.last_saved = step
+            self.pending = step
         return saved
+
+    def _finish_pending(self) -> None:
+        """Wait for the asynchronous save in flight; CheckpointSaveError if it failed."""
+        step, self.pending = self.pending, None
+        try:
+            self.manager.wait_until_finished()  # raises a failed background write's error, once
+        except Exception as error:
+            raise self._save_error(step, error) from error
+
+    def _save_error(self, step: int | None, error: BaseException) -> CheckpointSaveError:
+        self.manager.reload()  # a failed save already dropped the steps it was to replace from orbax's list
+        kept = self.all_steps()
+        return CheckpointSaveError(
+            f"the checkpoint of step {step} could not be saved in {self.directory}: {_os_error(error)}; " + (
+                f"the older checkpoints there (steps {kept}) are kept" if kept else "there is no older checkpoint"))
 
     def check_params(self, abstract_params: PyTree, step: int) -> None:
         """Raise, naming the step or the first differing array, unless `step` holds parameters of these shapes."""
         if step not in self.all_steps():
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; found {self.all_steps()}")
-        saved = self.manager.item_metadata(step)[STATE_ITEM]
-        check_compatible({"params": saved["params"]}, {"params": abstract_params}, self.directory)
+        with self._reading(step):
+            saved = self.manager.item_metadata(step)[STATE_ITEM]
+            check_compatible({"params": saved["params"]}, {"params": abstract_params}, self.directory)
 
     def restore_params(self, abstract_params: PyTree, step: int, *, checked: bool = False) -> PyTree:
         """Only the parameters of `step`, into the shapes and shardings of `abstract_params`: a partial restore
@@ -179,23 +337,30 @@ class Checkpointer:
         args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                       partial_restore=True)
         path = os.path.join(self.directory, str(step), STATE_ITEM)
-        return ocp.PyTreeCheckpointer().restore(path, args=args)["params"]
+        with self._reading(step):
+            return ocp.PyTreeCheckpointer().restore(path, args=args)["params"]
 
     def average_params(self, abstract_params: PyTree, steps: list[int]) -> PyTree:
         """The mean of the parameters of `steps` held here (see `average_params`)."""
         return average_params([(self, step) for step in steps], abstract_params)
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Wait until every save has committed; CheckpointSaveError if one failed."""
+        self._finish_pending()
 
     def close(self) -> None:
-        self.manager.close()
+        """Wait, then close the manager (also after a failed save, whose CheckpointSaveError this raises)."""
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
 
 
 def average_params(sources: list[tuple[Checkpointer, int]], abstract_params: PyTree) -> PyTree:
     """The mean of the parameters of each (checkpointer, step) (the paper's checkpoint averaging), summed on the
     devices in the shardings of `abstract_params`, so that no process holds more than its shards. Every
-    checkpoint is found and its shapes checked before any is read."""
+    checkpoint is found and its shapes checked before any is read; one that cannot be read raises
+    CheckpointUnreadableError (these are the steps asked for)."""
     for checkpointer, step in sources:
         try:
             checkpointer.check_params(abstract_params, step)
@@ -206,6 +371,37 @@ def average_params(sources: list[tuple[Checkpointer, int]], abstract_params: PyT
         params = checkpointer.restore_params(abstract_params, step, checked=True)
         total = params if total is None else _add(total, params)
     return _scale(total, 1.0 / len(sources))
+
+
+def average_readable_params(sources: list[tuple[Checkpointer, int]], abstract_params: PyTree,
+                            count: int) -> tuple[PyTree, list[int]]:
+    """The mean of the parameters of the newest `count` steps of `sources` that can be read, and those steps
+    (ascending; fewer than `count` when fewer can be read): for the latest checkpoints, where no step was named.
+    A step listed by several checkpointers is read from the first listed that can read it. An unreadable one is
+    passed over with a warning; a CheckpointMismatchError is raised; CheckpointUnreadableError when none can be
+    read."""
+    holders: dict[int, list[Checkpointer]] = {}
+    for checkpointer, step in sources:
+        holders.setdefault(step, []).append(checkpointer)
+    total, used = None, []
+    for step in sorted(holders, reverse=True):
+        if len(used) == count:
+            break
+        for checkpointer in holders[step]:
+            try:
+                params = checkpointer.restore_params(abstract_params, step)
+            except CheckpointMismatchError as error:
+                raise CheckpointMismatchError(f"cannot average step {step}: {error}") from error
+            except CheckpointUnreadableError as error:
+                log.warning("%s; passed over", error)
+                continue
+            total, used = (params if total is None else _add(total, params)), used + [step]
+            break
+    if not used:
+        where = " or ".join(dict.fromkeys(checkpointer.directory for checkpointer, _ in sources))
+        raise CheckpointUnreadableError(f"no checkpoint in {where} can be read (steps {sorted(holders)}, each "
+                                        "warned above)")
+    return _scale(total, 1.0 / len(used)), sorted(used)
 
 
 # Donating the running sum keeps one sum and one checkpoint's parameters on the devices, whatever N.

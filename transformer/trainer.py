@@ -476,14 +476,13 @@ class Run:
                 self.lock = None
 
     def _restore_or_init(self) -> TrainState:
-        latest = self.checkpointer.latest_step()
-        if latest is None:
+        if self.checkpointer.latest_step() is None:
             return create_train_state(self.model_config, self.optimizer, self.settings.seed, self.state_shardings)
-        # Restored straight into this run's shardings, whatever mesh wrote the checkpoint.
+        # Restored straight into this run's shardings, whatever mesh wrote the checkpoint: the newest readable one
+        # (unreadable newer ones are named and moved aside); raises, touching nothing, on a shape mismatch.
         abstract = abstract_train_state(self.model_config, self.optimizer, self.settings.seed, self.state_shardings)
-        state = self.checkpointer.restore(abstract, latest)  # raises, touching nothing, on a shape mismatch
-        self.data_state = self.checkpointer.restore_data_state(latest)
-        log.info("resumed from %s at step %d", self.checkpointer.directory, latest)
+        step, state, self.data_state = self.checkpointer.restore_latest(abstract)
+        log.info("resumed from %s at step %d", self.checkpointer.directory, step)
         return state
 
     def compile(self) -> tuple[Any, Any, float]:
@@ -708,10 +707,15 @@ class Run:
         if self.checkpoints_closed:
             return
         self.checkpoints_closed = True
+        failed = []
         for checkpointer in (self.checkpointer, self.snapshots, self.best_checkpointer):
             if checkpointer is not None:
-                checkpointer.wait()
-                checkpointer.close()
+                try:
+                    checkpointer.close()  # waits for the last save first: a failed one raises CheckpointSaveError
+                except checkpoint.CheckpointSaveError as error:
+                    failed.append(error)
+        if failed:
+            raise failed[0]
 
     def save_checkpoint(self, step: int, data_state: bytes | None, force: bool = False) -> None:
         """The train state (and data state) at checkpoint steps, with a params snapshot when averaging needs one."""
@@ -735,7 +739,8 @@ class Run:
             return self.state.params, []
         abstract = sharding.with_shardings(abstract_like(self.state.params), self.state_shardings.params)
         log.info("averaging the parameters of the checkpoints of steps %s", steps)
-        return self.snapshots.average_params(abstract, steps), steps
+        params, steps = checkpoint.average_readable_params([(self.snapshots, s) for s in steps], abstract, len(steps))
+        return (params, steps) if len(steps) > 1 else (self.state.params, [])  # unreadable ones were named
 
     def _score_final_params(self) -> dict[str, Any]:
         """What the end of the run reports, also at each train.report_minutes mark: the mean of the last
@@ -1011,6 +1016,7 @@ def restore(workdir: str, step: int | None = None, *, average_last: int = 0, bes
         where = " or ".join(c.directory for c in checkpointers)
         if not steps:
             raise FileNotFoundError(f"no checkpoint in {where}")
+        named = step is not None
         step = steps[-1] if step is None else step
         if step not in steps:
             raise FileNotFoundError(f"no checkpoint for step {step} in {where}; found {steps}")
@@ -1027,7 +1033,16 @@ def restore(workdir: str, step: int | None = None, *, average_last: int = 0, bes
         shardings = state_shardings(model_config, optimizer, mesh, mesh_config).params
         abstract = sharding.with_shardings(abstract_train_state(model_config, optimizer, settings.seed).params,
                                            shardings)
-        params = checkpoint.average_params([(holder[s], s) for s in averaged], abstract)
+        if named:  # the asked-for steps, or a clear error
+            params = checkpoint.average_params([(holder[s], s) for s in averaged], abstract)
+        else:  # the newest readable ones: a damaged newest checkpoint is named and passed over
+            sources = [(c, s) for s in steps for c in checkpointers if s in c.all_steps()]  # full states first
+            params, averaged = checkpoint.average_readable_params(sources, abstract, len(averaged))
+            if len(averaged) < max(average_last, 1):
+                raise checkpoint.CheckpointUnreadableError(
+                    f"asked to average the last {average_last} checkpoints, but only {len(averaged)} of those in "
+                    f"{where} can be read (steps {averaged}; the others are named above)")
+            step = averaged[-1]
     finally:
         for checkpointer in checkpointers:
             checkpointer.close()
