@@ -57,6 +57,7 @@ def get_config() -> ml_collections.ConfigDict:
     model.dtype = "float32"  # compute dtype of the matmuls: float32 | bfloat16 (parameters stay float32)
     model.attention = "reference"  # reference (ours, any backend) | xla | cudnn (flash attention, GPU + bfloat16)
     model.remat = False  # recompute each layer in the backward pass: less activation memory, ~1/3 more compute
+    model.scan_layers = False  # one lax.scan per stack, params [layers, ...]: compile time flat in depth (another layout)
     model.init_std = 0.0  # 0: lecun-normal kernels, N(0, d^-0.5) embeddings; > 0: all N(0, init_std) (Marian: 0.02)
 
     config.optimizer = optimizer = ml_collections.ConfigDict()

@@ -160,11 +160,14 @@ def run_compile_only(config, sizes: dict) -> dict:
     train, _ = trainer.make_steps(plan.graphdef, plan.optimizer, plan.schedule, settings.train, plan.state_shardings,
                                   plan.batch_sharding)
     start = time.perf_counter()
-    compiled = train.lower(plan.abstract_state(settings.seed), plan.abstract_batch()).compile()
+    lowered = train.lower(plan.abstract_state(settings.seed), plan.abstract_batch())
+    lower_seconds = time.perf_counter() - start
+    compiled = lowered.compile()
     sizes = dict(sizes, batch=plan.batch.rows, source_length=plan.batch.row_length,
                  target_length=plan.batch.row_length, vocab_size=plan.model_config.vocab_size)
     result = describe(config, sizes, plan.mesh)
-    result.update(mode="compile_only", compile_seconds=time.perf_counter() - start, memory=memory_of(compiled),
+    result.update(mode="compile_only", compile_seconds=time.perf_counter() - start, lower_seconds=lower_seconds,
+                  memory=memory_of(compiled),
                   tokens_per_step=plan.batch.tokens, microbatches=settings.train.num_microbatches,
                   batch_note=note or "")
     limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
@@ -362,7 +365,8 @@ def print_table(result: dict) -> None:
                                                  f"{result['target_length']}, vocab {result['vocab_size']}"),
             *([("tokens per step", f"{result['tokens_per_step']:,} per side in {result['microbatches']} "
                                    "microbatch(es)")] if "tokens_per_step" in result else []),
-            ("compile", f"{result['compile_seconds']:.1f} s")]
+            ("compile", f"{result['compile_seconds']:.1f} s" + (
+                f" (trace and lower {result['lower_seconds']:.1f} s)" if "lower_seconds" in result else ""))]
     if result["mode"] == "train":
         rows += [("median step", f"{result['median_step_seconds'] * 1000:.1f} ms "
                                  f"(min {result['min_step_seconds'] * 1000:.1f}, max "

@@ -15,6 +15,7 @@ The weights come from one teacher-forced pass over the translation, recorded by 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 import jax
@@ -63,7 +64,11 @@ def attention_maps(restored: trainer.Restored, source: str) -> dict:
     if not len(target_ids):
         raise ValueError("the source sentence is empty: there is nothing to attend to")
     [source_ids] = restored.tokenizer.encode([source])
-    model = nnx.merge(restored.graphdef, restored.params)
+    graphdef, params = restored.graphdef, restored.params
+    if restored.model_config.scan_layers:  # the recording needs one attention call per layer, not one scan
+        graphdef = trainer.model_graphdef(dataclasses.replace(restored.model_config, scan_layers=False))
+        params = model_lib.unstack_layer_params(params)
+    model = nnx.merge(graphdef, params)
     decoder_inputs = np.concatenate([[0], target_ids[:-1]])[None]
     with recorded_attention() as weights:
         model(jnp.asarray(source_ids)[None], jnp.asarray(decoder_inputs))

@@ -36,6 +36,67 @@ def test_mesh_sizes_resolve_minus_one_and_fail_clearly():
         sharding.MeshConfig(rules="mlp=model")
 
 
+def test_the_layer_axis_of_scanned_stacks_is_never_split():
+    rules = sharding.MeshConfig().logical_rules
+    assert rules["layers"] == ()
+    assert sharding.logical_to_mesh(("layers", "embed", "mlp"), rules) == PartitionSpec(None, "fsdp", "tensor")
+    with pytest.raises(ValueError, match="maps 'layers' \\(the scanned layer axis\\) to \\('data',\\)"):
+        sharding.MeshConfig(rules="embed=fsdp, layers=data")
+
+
+# On 8 fake devices, a scanned model's state is born sharded: the layer axis whole, `embed` over fsdp (and `mlp` over
+# tensor) as in the per-layer model, the Adam moments like their parameters; then a train step runs on fsdp=8.
+SCANNED_ON_8_DEVICES = """
+import jax, numpy as np
+from jax.sharding import PartitionSpec as P
+from transformer import sharding, trainer
+from transformer.model import ModelConfig
+from transformer.optim import OptimizerConfig, make_optimizer
+
+assert jax.device_count() == 8
+model = ModelConfig(vocab_size=64, emb_dim=32, num_heads=4, num_encoder_layers=2, num_decoder_layers=3, mlp_dim=64,
+                    dropout_rate=0.1, scan_layers=True)
+optimizer, schedule = make_optimizer(OptimizerConfig(warmup_steps=10), model.emb_dim)
+hidden_spec = P(None, "fsdp", "tensor")
+for sizes, hidden_shard in [((2, 2, 2), (3, 16, 32)), ((1, 8, 1), (3, 4, 64))]:
+    mesh_config = sharding.MeshConfig(*sizes)
+    mesh = sharding.make_mesh(mesh_config)
+    shardings = trainer.state_shardings(model, optimizer, mesh, mesh_config)
+    state = trainer.create_train_state(model, optimizer, seed=0, shardings=shardings)
+    kernel = state.params["decoder_layers"]["stacked"]["feed_forward"]["hidden"]["kernel"]  # [layers, embed, mlp]
+    assert kernel.shape == (3, 32, 64) and kernel.sharding.spec == hidden_spec, kernel.sharding
+    assert kernel.addressable_shards[0].data.shape == hidden_shard
+    moment = state.opt_state[0].mu["decoder_layers"]["stacked"]["feed_forward"]["hidden"]["kernel"]
+    assert moment.sharding.spec == hidden_spec
+    query = state.params["encoder_layers"]["stacked"]["self_attention"]["query"]["kernel"]
+    assert query.sharding.spec[0] is None and query.sharding.spec[1] == "fsdp"
+    for spec in jax.tree.leaves(jax.tree.map(lambda x: x.sharding.spec, state.params["encoder_layers"]),
+                                is_leaf=lambda x: isinstance(x, P)):
+        assert len(spec) == 0 or spec[0] is None, spec  # no stacked array is split along its layers
+    born = dict(state=state, shardings=shardings, mesh=mesh, mesh_config=mesh_config)
+# One train step on the last mesh, fsdp=8.
+batch_sharding = sharding.batch_sharding(born["mesh"], born["mesh_config"])
+train, _ = trainer.make_steps(trainer.model_graphdef(model), optimizer, schedule, trainer.TrainConfig(),
+                              born["shardings"], batch_sharding)
+rng = np.random.default_rng(0)
+batch = {key: rng.integers(3, 64, (8, 12)).astype(np.int32) for key in ("inputs", "targets")}
+state, metrics = train(born["state"], sharding.place_batch(batch, batch_sharding))
+assert np.isfinite(float(metrics["loss"])), metrics
+kernel = state.params["decoder_layers"]["stacked"]["feed_forward"]["hidden"]["kernel"]
+assert kernel.sharding.spec == hidden_spec
+print("ok")
+"""
+
+
+def test_a_scanned_models_state_is_born_sharded_on_8_devices():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, "-c", SCANNED_ON_8_DEVICES], capture_output=True, text=True, cwd=ROOT,
+                            env=env, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (result.stdout[-3000:]
+                                                                             + result.stderr[-5000:])
+
+
 def run_multidevice(marker):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     command = [sys.executable, "-m", "pytest", os.path.join(ROOT, "tests", "multidevice_test.py"), "-q", "-m", marker,

@@ -1,7 +1,7 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), top to bottom, in Flax NNX.
 
 Reading order: ModelConfig -> masks -> positions -> Embedder -> MultiHeadAttention -> FeedForward ->
-EncoderLayer / DecoderLayer -> Transformer (encode, decode, decode_step, init_cache).
+EncoderLayer / DecoderLayer -> LayerStack -> Transformer (encode, decode, decode_step, init_cache).
 
 Conventions:
   * token id 0 is padding (and the decoder's start symbol, as in tensor2tensor and flax's wmt example);
@@ -62,6 +62,9 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype of the matmuls: float32 or bfloat16
     attention: str = "reference"  # reference | xla | cudnn (see ATTENTION_IMPLEMENTATIONS)
     remat: bool = False  # recompute each layer's activations in the backward pass (less memory, ~1/3 more compute)
+    # Each stack's layers as one LayerStack (parameters with a leading `layers` axis) applied by one lax.scan, so
+    # the train step compiles one layer per stack whatever the depth; the same model, another parameter layout.
+    scan_layers: bool = False
     # 0: lecun-normal kernels (std fan_in^-0.5) and embeddings of std d^-0.5 (unit variance once scaled by
     # sqrt(d)); > 0: every kernel and embedding drawn from N(0, init_std), as HF Marian / BART / BERT (0.02).
     init_std: float = 0.0
@@ -82,6 +85,9 @@ class ModelConfig:
              "or attention='reference'"),
             (self.emb_dim % 2 == 0, f"emb_dim={self.emb_dim} must be even for sinusoidal positions"),
             (self.init_std >= 0.0, f"init_std={self.init_std} must be >= 0 (0: lecun normal)"),
+            (not self.scan_layers or min(self.num_encoder_layers, self.num_decoder_layers) >= 1,
+             f"scan_layers=True needs at least one layer per stack, got num_encoder_layers={self.num_encoder_layers}, "
+             f"num_decoder_layers={self.num_decoder_layers}"),
         ]
         for rate_name in ("dropout_rate", "attention_dropout_rate", "relu_dropout_rate"):
             rate = getattr(self, rate_name)
@@ -436,6 +442,87 @@ class DecoderLayer(nnx.Module):
         return x, cache
 
 
+# The leading axis of a LayerStack's parameters: the logical name sharding.py's rules keep whole.
+LAYER_AXIS = "layers"
+_LAYER_METADATA = {nnx.PARTITION_NAME: LAYER_AXIS}
+
+
+class LayerStack(nnx.Module):
+    """`count` layers of one kind held as one module whose parameters have a leading `layers` axis (built with
+    nnx.vmap over split rngs, as flax's scan-over-layers guide does), for ModelConfig.scan_layers.
+
+    `scan` applies the layers in turn under one jax.lax.scan, so a step traces and compiles a single layer however
+    deep the stack. Indexing and iterating give each layer as its own module, a view of its slice of the
+    parameters, so the per-layer loops of cached decoding (init_cache, decode_step, decode.beam_search) read a
+    stack as they read a list.
+    """
+
+    def __init__(self, layer: type[nnx.Module], config: ModelConfig, count: int, *, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=count)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=_LAYER_METADATA)
+        def create(rngs):
+            return layer(config, rngs=rngs)
+        self.stacked = create(rngs)
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    @staticmethod
+    def _view(graphdef: nnx.GraphDef, layer_state: nnx.State) -> nnx.Module:
+        # The slice's variables are fresh copies (jax.tree.map), so dropping `layers` from their axis names leaves
+        # the stack's own metadata as it is.
+        return nnx.merge(graphdef, nnx.spmd.remove_axis(layer_state, 0, _LAYER_METADATA))
+
+    def __getitem__(self, index: int) -> nnx.Module:
+        if not -self.count <= index < self.count:
+            raise IndexError(f"layer {index} of a stack of {self.count}")
+        graphdef, state = nnx.split(self.stacked)
+        return self._view(graphdef, jax.tree.map(lambda x: x[index], state))
+
+    def __iter__(self):
+        graphdef, state = nnx.split(self.stacked)
+        return iter([self._view(graphdef, jax.tree.map(lambda x, i=i: x[i], state)) for i in range(self.count)])
+
+    def scan(self, call, x: Array, *, rngs: nnx.Rngs | None) -> Array:
+        """x = call(layer, x, layer_rngs) through each layer in turn, in one jax.lax.scan. Layer i draws its dropout
+        from its own key, the i-th of a split of one draw from `rngs` (None: no randomness)."""
+        graphdef, state = nnx.split(self.stacked)
+        keys = None if rngs is None else jax.random.split(rngs.dropout(), self.count)
+
+        def body(x, inputs):
+            layer_state, key = inputs
+            layer_rngs = None if key is None else nnx.Rngs(dropout=key)
+            return call(self._view(graphdef, layer_state), x, layer_rngs), None
+        return jax.lax.scan(body, x, (state, keys))[0]
+
+
+def run_layers(layers: nnx.List | LayerStack, call, x: Array, rngs: nnx.Rngs | None) -> Array:
+    """x = call(layer, x, rngs) through each layer in turn: one lax.scan over a LayerStack, a loop over a list."""
+    if isinstance(layers, LayerStack):
+        return layers.scan(call, x, rngs=rngs)
+    for layer in layers:
+        x = call(layer, x, rngs)
+    return x
+
+
+def stack_layer_params(params: dict) -> dict:
+    """Parameters (a pure dict, as TrainState.params) of a model without scan_layers -> the same model's parameters
+    for scan_layers=True: each stack's per-layer trees {0: ..., 1: ...} as one {"stacked": ...} tree whose arrays
+    gain a leading layer axis."""
+    def stack(layers):
+        return {"stacked": jax.tree.map(lambda *xs: jnp.stack(xs), *(layers[i] for i in range(len(layers))))}
+    return {**params, **{name: stack(params[name]) for name in ("encoder_layers", "decoder_layers")}}
+
+
+def unstack_layer_params(params: dict) -> dict:
+    """The inverse of stack_layer_params: scan_layers=True parameters -> per-layer ones."""
+    def unstack(stack):
+        count = jax.tree.leaves(stack["stacked"])[0].shape[0]
+        return {i: jax.tree.map(lambda x, i=i: x[i], stack["stacked"]) for i in range(count)}
+    return {**params, **{name: unstack(params[name]) for name in ("encoder_layers", "decoder_layers")}}
+
+
 class Transformer(nnx.Module):
     """Encoder-decoder with shared embeddings: `encode`, `decode` (teacher-forced), `decode_step` (cached)."""
 
@@ -448,8 +535,14 @@ class Transformer(nnx.Module):
                 config.emb_dim, config.vocab_size, use_bias=False, dtype=config.compute_dtype,
                 preferred_element_type=jnp.float32,
                 kernel_init=config.kernel_init("embed", "vocab"), rngs=rngs)
-        self.encoder_layers = nnx.List([EncoderLayer(config, rngs=rngs) for _ in range(config.num_encoder_layers)])
-        self.decoder_layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_decoder_layers)])
+        if config.scan_layers:
+            self.encoder_layers = LayerStack(EncoderLayer, config, config.num_encoder_layers, rngs=rngs)
+            self.decoder_layers = LayerStack(DecoderLayer, config, config.num_decoder_layers, rngs=rngs)
+        else:
+            self.encoder_layers = nnx.List([EncoderLayer(config, rngs=rngs)
+                                            for _ in range(config.num_encoder_layers)])
+            self.decoder_layers = nnx.List([DecoderLayer(config, rngs=rngs)
+                                            for _ in range(config.num_decoder_layers)])
         if config.layer_norm == "pre":  # pre-LN leaves the residual stream unnormalised: close each stack
             self.encoder_norm = layer_norm(config, rngs)
             self.decoder_norm = layer_norm(config, rngs)
@@ -460,8 +553,9 @@ class Transformer(nnx.Module):
         segmentation = segmentation_of(inputs, inputs_segmentation)
         mask = attention_mask(segmentation, segmentation)
         x = self.source_embedder(inputs, positions_of(inputs, inputs_position), deterministic=deterministic, rngs=rngs)
-        for layer in self.encoder_layers:
-            x = self._maybe_remat(layer, deterministic)(x, mask, rngs=rngs)
+        def layer_call(layer, x, rngs):
+            return self._maybe_remat(layer, deterministic)(x, mask, rngs=rngs)
+        x = run_layers(self.encoder_layers, layer_call, x, rngs)
         return self.encoder_norm(x) if self.config.layer_norm == "pre" else x
 
     def decode(self, decoder_inputs: Array, encoded: Array, inputs: Array, *,
@@ -480,9 +574,9 @@ class Transformer(nnx.Module):
         cross_mask = attention_mask(targets_segmentation, source_segmentation)
         positions = positions_of(decoder_inputs, targets_position)
         x = self.target_embedder(decoder_inputs, positions, deterministic=deterministic, rngs=rngs)
-        for layer in self.decoder_layers:
-            x, _ = self._maybe_remat(layer, deterministic)(x, encoded, self_mask, cross_mask, rngs=rngs)
-        return self.logits(x)
+        def layer_call(layer, x, rngs):
+            return self._maybe_remat(layer, deterministic)(x, encoded, self_mask, cross_mask, rngs=rngs)[0]
+        return self.logits(run_layers(self.decoder_layers, layer_call, x, rngs))
 
     def _maybe_remat(self, layer: nnx.Module, deterministic: bool):
         """The layer's call, under nnx.remat when config.remat: its activations are recomputed in the backward

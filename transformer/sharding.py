@@ -26,7 +26,10 @@ PyTree = Any
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 # flax lm1b's few-rule table: logical name = mesh axes (joined by +), comma-separated; `none` replicates.
-DEFAULT_RULES = "batch=data+fsdp, embed=fsdp, mlp=tensor, heads=tensor, vocab=tensor"
+# `layers`, the leading axis of scanned layer stacks (model.scan_layers), stays whole: a scan step reads one
+# layer, so a split layer axis would gather each layer across devices at every step.
+LAYER_AXIS = "layers"
+DEFAULT_RULES = "batch=data+fsdp, embed=fsdp, mlp=tensor, heads=tensor, vocab=tensor, layers=none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +63,9 @@ class MeshConfig:
             if unknown:
                 raise ValueError(f"mesh.rules entry {entry!r} names mesh axes {unknown}; known: {MESH_AXES}")
             rules[name] = mesh_axes
+        if rules.get(LAYER_AXIS):
+            raise ValueError(f"mesh.rules maps {LAYER_AXIS!r} (the scanned layer axis) to {rules[LAYER_AXIS]}: it must "
+                             f"stay whole ({LAYER_AXIS}=none, or leave it out)")
         return rules
 
 
