@@ -56,10 +56,15 @@ def committed_steps(workdir: str) -> list[int]:
     return sorted(int(name) for name in os.listdir(directory) if name.isdigit()) if os.path.isdir(directory) else []
 
 
-def saving(workdir: str) -> bool:
-    """Whether an asynchronous save is being written now (Orbax's temporary step directory exists)."""
+def saving(workdir: str, since: float) -> bool:
+    """Whether an asynchronous save is being written now: an Orbax temporary step directory made after `since`
+    (one left by an earlier SIGKILL stays until its step is saved again, and does not count)."""
     directory = os.path.join(workdir, "checkpoints")
-    return os.path.isdir(directory) and any("tmp" in name for name in os.listdir(directory))
+    try:
+        return any("tmp" in name and os.path.getmtime(os.path.join(directory, name)) >= since
+                   for name in os.listdir(directory))
+    except OSError:  # the directory or the temporary one vanished between the listing and the look
+        return False
 
 
 class Job:
@@ -191,19 +196,21 @@ def main() -> int:
     lost_checkpoints, lost_steps, during_saves, failures, resumes = set(), 0, 0, [], 0
     for index, (signum, target) in enumerate(zip(signals, targets)):
         before = set(committed_steps(drilled))
+        started = time.time()
         job = Job(drilled, args.steps, log_path)
         resumes += index > 0
         wait_for_save = rng.random() < 0.5
         while job.process.poll() is None and job.last_step < target:
             time.sleep(0.005)
         deadline = time.monotonic() + 5
-        while wait_for_save and job.process.poll() is None and not saving(drilled) and time.monotonic() < deadline:
+        while (wait_for_save and job.process.poll() is None and not saving(drilled, started)
+               and time.monotonic() < deadline):
             time.sleep(0.001)
         if job.process.poll() is not None:
             failures.append(f"run {index} ended (exit {job.process.returncode}) before its interruption at step "
                             f"{target}")
             break
-        during_saves += saving(drilled)
+        during_saves += saving(drilled, started)
         job.process.send_signal(signum)
         code = job.wait()
         after = set(committed_steps(drilled))

@@ -280,3 +280,19 @@ def test_resume_and_eval_refuse_a_vocabulary_that_is_not_the_runs(tmp_path):
         trainer.Run(make_tiny_config(), str(run_dir))
     with pytest.raises(VocabularyMismatchError, match="vocab.model"):
         trainer.restore(str(run_dir))
+
+
+def test_a_given_vocabulary_is_copied_in_and_config_json_has_the_size_the_model_has(tmp_path):
+    from tiny import make_tiny_config
+    from transformer import trainer
+
+    pairs = data.read_split(data.DataConfig(builtin_train_size=2000, builtin_seed=3), "train")
+    given = train_tokenizer([text for pair in pairs for text in pair], str(tmp_path / "given.model"), vocab_size=280)
+    config = make_tiny_config(**{"data.vocab_path": given.path, "data.vocab_size": 500, "train.num_train_steps": 3,
+                                 "decode.bleu_splits": ""})
+    run_dir = tmp_path / "run"
+    trainer.Run(config, str(run_dir)).train()
+    assert (run_dir / "vocab.model").read_bytes() == open(given.path, "rb").read()
+    assert json.loads((run_dir / "config.json").read_text())["data"]["vocab_size"] == 280
+    config.train.num_train_steps = 6
+    assert int(trainer.Run(config, str(run_dir)).state.step) == 3  # the same run: resumed, not refused

@@ -463,7 +463,7 @@ class Run:
                                                   keep=1, use_async=settings.train.async_checkpointing,
                                                   best_metric="valid_bleu")
         if self.is_writer:
-            workdirs.write_text(os.path.join(workdir, CONFIG_FILE), config.to_json(indent=2))
+            workdirs.write_text(os.path.join(workdir, CONFIG_FILE), saved_config(config, self.corpus.tokenizer))
             record_start(workdir, self.batch, self.mesh, settings, self.corpus)
 
     def close(self) -> None:
@@ -525,8 +525,7 @@ class Run:
             if self.is_writer:
                 step = int(self.state.step)
                 path = os.path.join(self.workdir, f"translations_{split}_{prefix}step{step}.txt")
-                with open(path, "w", encoding="utf-8") as handle:
-                    handle.writelines(h + "\n" for h in hypotheses)
+                workdirs.write_text(path, "".join(h + "\n" for h in hypotheses))
         return scores
 
     def train(self) -> dict[str, Any]:
@@ -949,6 +948,8 @@ def check_resume_config(saved: ml_collections.ConfigDict, config: ml_collections
     old, new = flat(saved), flat(config)
     for key in set(new) - set(old):  # a key added since the workdir was made: the run had its default
         old[key] = LEGACY_DEFAULTS.get(key, field_default(key))
+    if new.get("data.vocab_path"):  # the file decides the size (saved_config), and its identity is checked apart
+        old.pop("data.vocab_size", None), new.pop("data.vocab_size", None)
     differ = sorted(key for key in set(old) | set(new) if old.get(key) != new.get(key))
     change = {key: f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in differ}
     refused = [change[key] for key in differ if not key.startswith(RESUMABLE_CHANGES)]
@@ -957,6 +958,13 @@ def check_resume_config(saved: ml_collections.ConfigDict, config: ml_collections
                          "Resume with the same settings (see config.json there; only the keys starting with "
                          f"{', '.join(RESUMABLE_CHANGES)} may change), or use a new --workdir.")
     return list(change.values())
+
+
+def saved_config(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> str:
+    """config.json: the run's config, with the vocabulary size the model has (data.vocab_path's file decides it)."""
+    saved = ml_collections.ConfigDict(config.to_dict())
+    saved.data.vocab_size = tokenizer.vocab_size
+    return saved.to_json(indent=2)
 
 
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
