@@ -7,6 +7,9 @@ the best on the dev set; decode with the config's search (or --beam_size/--alpha
     python eval.py --workdir=runs/demo --input=src.txt --reference=ref.txt --output=hyp.txt
     python eval.py --workdir=runs/base --split=valid --nbest=4 --length_penalty=fairseq --alpha=1.0
 
+On several hosts run it on each, as train.py (`--coordinator_address=host0:1234 --num_processes=N --process_id=i`,
+or none under SLURM / a TPU slice): each process decodes its share and process 0 writes.
+
 Every decoding flag left unset takes the workdir config's decode value, as in `python -m transformer.translate`.
 Decoding splits each batch over every device (transformer/decode.py). Each evaluation writes its own files under
 workdir/eval/, named by what it decoded, the model and the search: `<split>.<model>.<search>.txt` and
@@ -22,7 +25,8 @@ import time
 import jax
 from absl import app, flags, logging
 
-from transformer import data, decode, errors, metrics, sources, trainer
+from transformer import data, decode, errors, metrics, sharding, sources, trainer
+from transformer import workdir as workdirs
 
 flags.DEFINE_string("workdir", None, "A directory written by train.py.", required=True)
 flags.DEFINE_integer("step", None, "Checkpoint step to restore (default: the latest).")
@@ -45,6 +49,11 @@ flags.DEFINE_integer("max_extra_length", None, "Outputs may have up to input len
                      "(default: the config's decode.max_extra_length).")
 flags.DEFINE_integer("nbest", 0, "Also write the N best hypotheses of each sentence (N <= beam size) in Moses' "
                      "n-best format `index ||| translation ||| LogProb= log P ||| score` to <output>.nbest<N>.txt.")
+# Multi-host: all three, or none to detect SLURM / a TPU pod slice / Open MPI (as train.py); each process decodes
+# its share of every batch and process 0 writes.
+flags.DEFINE_string("coordinator_address", "", "host:port of process 0 for jax.distributed.initialize.")
+flags.DEFINE_integer("num_processes", 0, "Number of processes (hosts) in the job.")
+flags.DEFINE_integer("process_id", -1, "This process's index in [0, num_processes).")
 FLAGS = flags.FLAGS
 
 
@@ -57,22 +66,17 @@ def read_lines(path: str) -> list[str]:
         raise sources.DataError(f"cannot read {path}: {error}") from error
 
 
-def write_atomically(path: str, text: str) -> None:
-    """Write `text` to a temporary file beside `path` (one per process), then rename it over `path`: a reader, or
-    a kill, never sees half a file."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    temporary = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(temporary, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):  # the write or the rename failed
-            os.unlink(temporary)
-
-
 def write_lines(path: str, lines: list[str]) -> None:
-    write_atomically(path, "".join(line + "\n" for line in lines))
+    """Process 0 writes (every process holds every translation), whole and renamed into place: a reader, or a
+    kill, never sees half a file."""
+    if jax.process_index() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        workdirs.write_text(path, "".join(line + "\n" for line in lines))
+
+
+def say(line: str) -> None:
+    if jax.process_index() == 0:  # one console for a multi-process evaluation
+        print(line)
 
 
 def nbest_path(output_path: str, nbest: int) -> str:
@@ -110,11 +114,11 @@ def evaluate(restored: trainer.Restored, search: decode.Search, name: str, sourc
                                                                restored.tokenizer))
     if references is not None:
         result.update(metrics.all_scores(hypotheses, references, target_lang=restored.settings.data.target_lang))
-        print(f"{name} BLEU {result['bleu']:.2f}  {result['signature']}")
-        print(f"{name} chrF {result['chrf']:.2f}  {result['chrf_signature']}")
-        print(f"{name} paper BLEU (tokenized, compound-split) {result['paper_bleu']:.2f}")
+        say(f"{name} BLEU {result['bleu']:.2f}  {result['signature']}")
+        say(f"{name} chrF {result['chrf']:.2f}  {result['chrf_signature']}")
+        say(f"{name} paper BLEU (tokenized, compound-split) {result['paper_bleu']:.2f}")
     cut = f"; {decoded.cut} cut to {bound} tokens" if decoded.cut else ""
-    print(f"{name}: {len(hypotheses)} sentences in {seconds:.1f}s ({result['sentences_per_second']:.1f} sentences/s, "
+    say(f"{name}: {len(hypotheses)} sentences in {seconds:.1f}s ({result['sentences_per_second']:.1f} sentences/s, "
           f"{result['tokens_per_second']:.0f} tokens/s{cut})")
     return result
 
@@ -124,12 +128,13 @@ def main(argv):
         raise errors.ConfigError(f"unexpected arguments {argv[1:]}: every option is a --flag=value")
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; --verbosity=0 shows it
         logging.set_verbosity(logging.WARNING)
+    sharding.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     with errors.as_config_error():  # a bad flag or saved setting is named before anything is restored
         restored = trainer.restore_for_command_line(
             FLAGS.workdir, FLAGS.step, average_last=FLAGS.average_last, best=FLAGS.best, nbest=FLAGS.nbest,
             **{name: FLAGS[name].value for name in decode.COMMAND_LINE_OVERRIDES})
     if restored.averaged_steps:
-        print(f"averaged the parameters of steps {restored.averaged_steps}")
+        say(f"averaged the parameters of steps {restored.averaged_steps}")
     # One search for every split: compiled once per input shape (and sampling's call count goes on).
     search = restored.settings.decode.search_fn(restored.graphdef, restored.settings.seed, scores=FLAGS.nbest > 0)
     out_dir = os.path.join(FLAGS.workdir, "eval")
@@ -154,8 +159,8 @@ def main(argv):
             results.append(evaluate(restored, search, split, [s for s, _ in pairs], [t for _, t in pairs], output,
                                     FLAGS.nbest))
     scores_path = os.path.join(out_dir, f"scores.{evaluated}.{tag}.json")
-    write_atomically(scores_path, json.dumps(results, indent=2))
-    print(f"wrote {scores_path}")
+    write_lines(scores_path, [json.dumps(results, indent=2)])
+    say(f"wrote {scores_path}")
 
 
 if __name__ == "__main__":

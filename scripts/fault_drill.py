@@ -140,7 +140,7 @@ def time_sigterm(train_args: list[str], root: str, after_step: int = 3) -> int:
         sys.exit(f"{workdir} exists: choose another --workdir")
     with open(log_path, "w", encoding="utf-8") as log:
         process = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), f"--workdir={workdir}",
-                                    f"--config.train.log_every_steps=1", *train_args], stdout=log,
+                                    *train_args, "--config.train.log_every_steps=1"], stdout=log,
                                    stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         while process.poll() is None:
             with open(log_path, encoding="utf-8") as handle:

@@ -8,9 +8,12 @@ here by the first pytest process (the controller loads this file before it start
   other worker runs, a peak would be too low, and it must not reach the cache of the user's own runs.
 The directory is removed at the end of the session."""
 
+import logging
 import os
 import shutil
 import tempfile
+
+import pytest
 
 _SESSION_DIR = None
 if "TRANSFORMER_TESTS_DIR" not in os.environ:  # the first pytest process of the session (not a worker)
@@ -27,3 +30,12 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 def pytest_unconfigure(config):
     if _SESSION_DIR is not None:
         shutil.rmtree(_SESSION_DIR, ignore_errors=True)
+
+
+@pytest.fixture
+def warnings(caplog):
+    """The warnings of the project's console logger (which does not propagate to pytest's root handler)."""
+    logger = logging.getLogger("transformer")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)

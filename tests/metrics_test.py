@@ -1,5 +1,3 @@
-import logging
-
 import pytest
 import sacrebleu
 from tiny import metric_records
@@ -52,15 +50,6 @@ def test_a_resumed_writer_drops_records_after_the_checkpoint(tmp_path):
     writer.close()
     records = metric_records(tmp_path)
     assert [(r["step"], r["loss"]) for r in records] == [(10, 10.0), (20, 20.0), (30, 3.0)]
-
-
-@pytest.fixture
-def warnings(caplog):
-    """The warnings of the project's console logger (which does not propagate to pytest's root handler)."""
-    logger = logging.getLogger("transformer")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
 
 
 def test_a_torn_metrics_jsonl_is_repaired_with_one_warning(tmp_path, warnings):

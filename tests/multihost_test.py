@@ -1,7 +1,7 @@
 """A multi-host run on localhost, as a pod would run it: 4 processes x 2 fake CPU devices (jax.distributed over
 gloo), mesh fsdp=4 x data=2, train and checkpoint, stop; resume as 2 processes x 4 devices, finish, average the
 last 3 checkpoints, decode and score. The parameters and the BLEU equal those of the same run in one process of
-8 devices, uninterrupted."""
+8 devices, uninterrupted; eval.py on 2 processes scores what it scores on one."""
 
 import json
 import os
@@ -48,6 +48,25 @@ def run(workdir, processes, devices, steps):
     return outputs[0]
 
 
+def evaluate(workdir, processes, devices):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    command = [sys.executable, os.path.join(ROOT, "eval.py"), f"--workdir={workdir}", "--split=valid"]
+    if processes == 1:
+        result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return
+    address = f"localhost:{free_port()}"
+    logs = [open(f"{workdir}.eval.process{index}.log", "w+") for index in range(processes)]
+    started = [subprocess.Popen(command + [f"--coordinator_address={address}", f"--num_processes={processes}",
+                                           f"--process_id={index}"], stdout=log, stderr=subprocess.STDOUT,
+                                text=True, cwd=ROOT, env=env) for index, log in enumerate(logs)]
+    for process, log in zip(started, logs):
+        code = process.wait(timeout=900)
+        log.seek(0)
+        assert code == 0, log.read()[-3000:]
+        log.close()
+
+
 @pytest.mark.slow  # four train.py runs (7 processes), each compiling and decoding: minutes on 2 cores
 def test_four_hosts_stopped_and_resumed_on_two_end_like_one_process(tmp_path):
     run(tmp_path / "one", 1, 8, 12)
@@ -69,3 +88,14 @@ def test_four_hosts_stopped_and_resumed_on_two_end_like_one_process(tmp_path):
                                                                                    jax.tree.leaves(b)))
     print(f"largest parameter difference, 4+2 hosts against one process: {worst:.3g}")
     assert worst <= 1e-5
+
+    # eval.py as 2 processes x 4 devices: each decodes its share, process 0 writes what one process would.
+    evaluate(tmp_path / "hosts", 1, 8)
+    name = "scores.valid.avg3_step12.greedy-extra4.json"
+    alone = json.loads((tmp_path / "hosts" / "eval" / name).read_text())
+    (tmp_path / "hosts" / "eval" / name).unlink()
+    evaluate(tmp_path / "hosts", 2, 4)
+    together = json.loads((tmp_path / "hosts" / "eval" / name).read_text())
+    assert together[0]["bleu"] == alone[0]["bleu"] and together[0]["devices"] == 8
+    translations = tmp_path / "hosts" / "eval" / "valid.avg3_step12.greedy-extra4.txt"
+    assert len(translations.read_text().splitlines()) == together[0]["sentences"] == 64

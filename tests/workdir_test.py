@@ -1,5 +1,4 @@
 import json
-import logging
 import os
 import signal
 import socket
@@ -39,15 +38,6 @@ lock.release()
 def start_holder(directory, heartbeat_seconds=60.0, done_file="", start_at=0.0):
     return subprocess.Popen([sys.executable, "-c", HOLDER, str(directory), str(heartbeat_seconds), str(done_file),
                              str(start_at)], stdout=subprocess.PIPE, text=True)
-
-
-@pytest.fixture
-def warnings(caplog):
-    """The warnings of the project's console logger (which does not propagate to pytest's root handler)."""
-    logger = logging.getLogger("transformer")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
 
 
 def write_foreign_lock(directory, *, host="another-host.example", age_seconds=0.0, **fields):

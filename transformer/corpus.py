@@ -1000,8 +1000,9 @@ def iter_builtin_split(split: str, *, seed: int = 0, train_size: int = 100_000, 
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     if (source_lang, target_lang) not in (("en", "es"), ("es", "en")):
-        raise ValueError(f"unsupported language pair {source_lang!r}->{target_lang!r}; "
-                         "the built-in corpus is en->es or es->en")
+        from transformer.errors import ConfigError  # a setting the user chose: told as a message, no traceback
+        raise ConfigError(f"unsupported language pair data.source_lang={source_lang!r} -> data.target_lang="
+                          f"{target_lang!r}: the built-in corpus is en->es or es->en")
     sizes = {"train": _check_count("train_size", train_size),
              "valid": _check_count("valid_size", valid_size),
              "test": _check_count("test_size", test_size)}
