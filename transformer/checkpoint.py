@@ -388,12 +388,15 @@ def average_readable_params(sources: list[tuple[Checkpointer, int]], abstract_pa
         if len(used) == count:
             break
         for checkpointer in holders[step]:
+            params = None
             try:
                 params = checkpointer.restore_params(abstract_params, step)
             except CheckpointMismatchError as error:
                 raise CheckpointMismatchError(f"cannot average step {step}: {error}") from error
             except CheckpointUnreadableError as error:
                 log.warning("%s; passed over", error)
+            # Each process reads its own shards: a step is used only where every process could read it.
+            if not _on_every_process(params is not None):
                 continue
             total, used = (params if total is None else _add(total, params)), used + [step]
             break

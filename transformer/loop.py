@@ -236,7 +236,8 @@ class Preemption:
 
     With several processes under jax.distributed, JAX's preemption service owns SIGTERM (the cluster's notice) and
     agrees on one step for every host (multihost_utils.reached_preemption_sync_point); SIGINT is handed to it as a
-    SIGTERM. Without that service (a single process) our own handler sets the flag."""
+    SIGTERM, and outside the loop a SIGTERM there only records the notice. Without that service (a single process)
+    our own handler sets the flag; several processes without it get no handler (each would stop at its own step)."""
 
     def __init__(self):
         self.received: str | None = None
@@ -244,7 +245,11 @@ class Preemption:
         self.previous: dict[int, Any] = {}
 
     def __enter__(self) -> "Preemption":
-        if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+        if jax.process_count() > 1 and not self.service:
+            # Each host would stop at its own step and the others would wait at the next collective for ever.
+            log.warning("several processes without JAX's preemption service (jax_enable_preemption_service): "
+                        "SIGTERM and SIGINT stop the run without a checkpoint")
+        elif threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
             for signum in (signal.SIGINT,) if self.service else (signal.SIGTERM, signal.SIGINT):
                 self.previous[signum] = signal.signal(signum, self._handle)
         elif jax.process_count() == 1:

@@ -572,6 +572,10 @@ class Run:
         finally:
             if hasattr(iterator, "close"):
                 iterator.close()  # stops grain's worker processes, on an error or a signal too
+        if stop is None and preemption.received and not preemption.service:
+            # A signal during the last step's fetch or save, after its check: still a stop, not the final evaluation.
+            self.save_checkpoint(int(self.state.step), data_state, force=True)
+            stop = f"preempted by {preemption.received}"
         if stop and stop.startswith("preempted"):
             return self.finish_preempted(preemption.received)
         return self.finish(evaluate, compile_seconds, data_state)
@@ -612,8 +616,9 @@ class Run:
 
     def sync_due(self, step: int, final_step: int) -> bool:
         config = self.settings.train
+        # A dev BLEU step too: it may save the best checkpoint, which must not hold a non-finite update.
         return (step % config.log_every_steps == 0 or step % config.checkpoint_every_steps == 0 or step == final_step
-                or self.cooldown.ends_at(step) or step == self.budget.check_step)
+                or self.cooldown.ends_at(step) or step == self.budget.check_step or self.bleu_due(step))
 
     def log_window(self, step: int) -> dict[str, float]:
         """Fetch the window's metrics, advance the clock and the budget's projection, write the log line."""
@@ -694,8 +699,8 @@ class Run:
     def finish_preempted(self, received: str) -> dict[str, Any]:
         """After a stop signal: the step's checkpoint committed, the logs closed, one line naming the step."""
         self.progress.close()
-        self.close()  # waits until every save is committed, then frees the workdir
         self.writer.close()
+        self.close()  # waits until every save is committed, then frees the workdir
         step = int(self.state.step)
         log.warning("%s: stopped at step %d with its checkpoint committed in %s; run the same command to resume "
                     "(exit status %d)", received, step, self.checkpointer.directory, loop.EXIT_PREEMPTED)
@@ -718,8 +723,8 @@ class Run:
 
     def save_checkpoint(self, step: int, data_state: bytes | None, force: bool = False) -> None:
         """The train state (and data state) at checkpoint steps, with a params snapshot when averaging needs one."""
-        if self.lock is not None and (force or step % self.checkpointer.save_every_steps == 0):
-            self.lock.check()  # a run whose workdir another job took over must not write into it
+        if force or step % self.checkpointer.save_every_steps == 0:
+            check_workdir_lock(self.lock)  # a run whose workdir another job took over must not write into it
         if not self.checkpointer.save(step, self.state, data_state=data_state, force=force):
             return
         self.saved_at = self.train_seconds
@@ -880,7 +885,7 @@ def acquire_workdir(workdir: str) -> workdirs.WorkdirLock | None:
         try:
             lock = workdirs.WorkdirLock(workdir).acquire()
             _HELD_LOCKS[os.path.realpath(workdir)] = lock
-        except workdirs.WorkdirInUseError as caught:
+        except Exception as caught:  # in use, or an unwritable workdir: every process must learn it
             error = caught
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -889,6 +894,22 @@ def acquire_workdir(workdir: str) -> workdirs.WorkdirLock | None:
     if error is not None:
         raise error
     return lock
+
+
+def check_workdir_lock(lock: workdirs.WorkdirLock | None) -> None:
+    """Raise WorkdirLockLost on every process if process 0's lock was taken over (they stop together)."""
+    lost = None
+    if lock is not None:
+        try:
+            lock.check()
+        except workdirs.WorkdirLockLost as error:
+            lost = error
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        if not bool(multihost_utils.broadcast_one_to_all(np.int32(lost is None))) and lost is None:
+            lost = workdirs.WorkdirLockLost("process 0 lost the workdir lock to another job (its log names it)")
+    if lost is not None:
+        raise lost
 
 
 def release_workdir(workdir: str, lock: workdirs.WorkdirLock) -> None:

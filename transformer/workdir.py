@@ -453,10 +453,13 @@ class WorkdirLock:
                 if os.fstat(self._fd).st_size != len(data):
                     os.ftruncate(self._fd, len(data))
                 os.fsync(self._fd)
-            except (WorkdirLockLost, OSError) as error:
+            except WorkdirLockLost as error:
                 self.lost = self.lost or f"{error}"
                 log.warning("lost the workdir lock %s: %s", self.path, self.lost)
                 return
+            except OSError as error:  # a transient failure (NFS ESTALE, EIO): the next beat tries again
+                log.warning("could not refresh the workdir lock %s: %s (trying again in %.0fs)", self.path, error,
+                            self.heartbeat_seconds)
 
     def check(self) -> None:
         """Raise WorkdirLockLost if the lock is no longer ours (another job judged it stale and took it)."""
