@@ -28,32 +28,18 @@ from absl import app, flags, logging
 from transformer import data, decode, errors, metrics, sharding, sources, trainer
 from transformer import workdir as workdirs
 
-flags.DEFINE_string("workdir", None, "A directory written by train.py.", required=True)
-flags.DEFINE_integer("step", None, "Checkpoint step to restore (default: the latest).")
+decode.define_command_line_flags("sentences")
+flags.adopt_module_key_flags(decode)
 flags.DEFINE_list("split", ["valid", "test"], "Splits of the run's own data to decode and score.")
 flags.DEFINE_string("input", None, "A text file of source sentences to translate instead of the splits.")
 flags.DEFINE_string("reference", None, "With --input: a line-aligned file of references to score against.")
 flags.DEFINE_string("output", None, "With --input: where to write the translations (default: workdir/eval/).")
 flags.DEFINE_integer("batch_size", None, "Sentences per decoding batch, rounded up to whole rows per device "
                      "(default: the config's decode.batch_size).")
-flags.DEFINE_integer("max_tokens_per_batch", None, "At most this many sentences x padded source length per decoding "
-                     "batch; 0: no budget (default: the config's decode.max_tokens_per_batch).")
-flags.DEFINE_integer("average_last", None, "Average the parameters of the last N checkpoints up to --step "
-                     "(default: the config's decode.average_last, none with --best; 0 or 1: no averaging).")
-flags.DEFINE_bool("best", False, "Restore the checkpoint of the best dev BLEU (workdir/best_checkpoint).")
-flags.DEFINE_integer("beam_size", None, "Beam size (default: the config's decode.beam_size; 1 = greedy).")
-flags.DEFINE_float("alpha", None, "Length penalty alpha of beam search (default: the config's decode.alpha).")
-flags.DEFINE_enum("length_penalty", None, list(decode.PENALTIES), "gnmt: ((5 + length) / 6)^alpha; fairseq: "
-                  "length^alpha (default: the config's decode.length_penalty).")
-flags.DEFINE_integer("max_extra_length", None, "Outputs may have up to input length + this many tokens "
-                     "(default: the config's decode.max_extra_length).")
 flags.DEFINE_integer("nbest", 0, "Also write the N best hypotheses of each sentence (N <= beam size) in Moses' "
                      "n-best format `index ||| translation ||| LogProb= log P ||| score` to <output>.nbest<N>.txt.")
-# Multi-host: all three, or none to detect SLURM / a TPU pod slice / Open MPI (as train.py); each process decodes
-# its share of every batch and process 0 writes.
-flags.DEFINE_string("coordinator_address", "", "host:port of process 0 for jax.distributed.initialize.")
-flags.DEFINE_integer("num_processes", 0, "Number of processes (hosts) in the job.")
-flags.DEFINE_integer("process_id", -1, "This process's index in [0, num_processes).")
+sharding.define_distributed_flags()  # as train.py: each process decodes its share of every batch, process 0 writes
+flags.adopt_module_key_flags(sharding)
 FLAGS = flags.FLAGS
 
 
@@ -89,7 +75,7 @@ def evaluate(restored: trainer.Restored, search: decode.Search, name: str, sourc
     """Decode (the best hypothesis, and with nbest the n-best list too), write, score. Sources longer than the
     bound are cut to it (one warning naming `name`), still scored, and counted in the result's inputs_cut."""
     settings = restored.settings.decode
-    bound = settings.input_bound(restored.settings.data.max_length, restored.model_config.position_limit)
+    bound = restored.input_bound
     start = time.perf_counter()
     decoded = decode.search_sentences(search, restored.params, restored.tokenizer, source_sentences,
                                       settings.batch_size, bound, name=name,

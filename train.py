@@ -22,10 +22,8 @@ if __name__ == "__main__":
         config_files.resolve_sys_argv(DEFAULT_CONFIG)
 config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Config file (any field overridable).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, vocabulary, logs and scores.", required=True)
-# Multi-host: all three, or none to detect SLURM / a TPU pod slice / Open MPI from the environment.
-flags.DEFINE_string("coordinator_address", "", "host:port of process 0 for jax.distributed.initialize.")
-flags.DEFINE_integer("num_processes", 0, "Number of processes (hosts) in the job.")
-flags.DEFINE_integer("process_id", -1, "This process's index in [0, num_processes).")
+sharding.define_distributed_flags()
+flags.adopt_module_key_flags(sharding)
 
 
 def main(argv):

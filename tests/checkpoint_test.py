@@ -66,7 +66,7 @@ def test_averaging_gives_the_mean_of_the_saved_params_from_states_and_snapshots_
         snapshots.save(step, {"params": params})
     states.wait(), snapshots.wait()
     expected = jax.tree.map(lambda a, b: (a + b) / 2, saved[2], saved[3])
-    for averaged in (states.average_params(abstract_like(base.params), [2, 3]),
+    for averaged in (average_params([(states, 2), (states, 3)], abstract_like(base.params)),
                      average_params([(states, 2), (snapshots, 3)], abstract_like(base.params))):
         assert jax.tree.structure(averaged) == jax.tree.structure(base.params)
         for a, b in zip(jax.tree.leaves(averaged), jax.tree.leaves(expected)):
@@ -78,7 +78,7 @@ def test_averaging_gives_the_mean_of_the_saved_params_from_states_and_snapshots_
                         jax.tree.leaves(saved[1])):
             np.testing.assert_array_equal(a, b)
     with pytest.raises(FileNotFoundError, match=r"no checkpoint for step 7"):
-        states.average_params(abstract_like(base.params), [3, 7])
+        average_params([(states, 3), (states, 7)], abstract_like(base.params))
     states.close(), snapshots.close()
 
 
@@ -88,7 +88,7 @@ def test_averaging_checkpoints_of_different_shapes_names_the_step_and_array(tmp_
     checkpointer.save(2, state_for(32))
     checkpointer.wait()
     with pytest.raises(CheckpointMismatchError, match=r"cannot average step 2: .*params/.*has shape .*32"):
-        checkpointer.average_params(abstract_like(state_for(16).params), [1, 2])
+        average_params([(checkpointer, 1), (checkpointer, 2)], abstract_like(state_for(16).params))
     checkpointer.close()
 
 

@@ -340,10 +340,6 @@ class Checkpointer:
         with self._reading(step):
             return ocp.PyTreeCheckpointer().restore(path, args=args)["params"]
 
-    def average_params(self, abstract_params: PyTree, steps: list[int]) -> PyTree:
-        """The mean of the parameters of `steps` held here (see `average_params`)."""
-        return average_params([(self, step) for step in steps], abstract_params)
-
     def wait(self) -> None:
         """Wait until every save has committed; CheckpointSaveError if one failed."""
         self._finish_pending()

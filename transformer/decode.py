@@ -751,6 +751,26 @@ COMMAND_LINE_OVERRIDES = ("batch_size", "max_tokens_per_batch", "beam_size", "al
                           "max_extra_length")
 
 
+def define_command_line_flags(unit: str) -> None:
+    """The flags both tools define alike (`unit`: what they decode, "sentences" or "lines"): the workdir and the
+    checkpoint to restore, and the overrides of COMMAND_LINE_OVERRIDES but --batch_size, whose meaning differs.
+    Each tool adopts them (flags.adopt_module_key_flags(decode)), so its --help lists them."""
+    from absl import flags
+    flags.DEFINE_string("workdir", None, "A directory written by train.py.", required=True)
+    flags.DEFINE_integer("step", None, "Checkpoint step to restore (default: the latest).")
+    flags.DEFINE_integer("average_last", None, "Average the parameters of the last N checkpoints up to --step "
+                         "(default: the config's decode.average_last, none with --best; 0 or 1: no averaging).")
+    flags.DEFINE_bool("best", False, "Use the checkpoint of the best dev BLEU (workdir/best_checkpoint).")
+    flags.DEFINE_integer("beam_size", None, "Beam size (default: the config's decode.beam_size; 1 = greedy).")
+    flags.DEFINE_float("alpha", None, "Length penalty alpha of beam search (default: the config's decode.alpha).")
+    flags.DEFINE_enum("length_penalty", None, list(PENALTIES), "gnmt: ((5 + length) / 6)^alpha; fairseq: "
+                      "length^alpha (default: the config's decode.length_penalty).")
+    flags.DEFINE_integer("max_extra_length", None, "Outputs may have up to input length + this many tokens "
+                         "(default: the config's decode.max_extra_length).")
+    flags.DEFINE_integer("max_tokens_per_batch", None, f"At most this many {unit} x padded source length per "
+                         "decoding batch; 0: no budget (default: the config's decode.max_tokens_per_batch).")
+
+
 def command_line_settings(saved: Mapping[str, Any], *, step: int | None, average_last: int | None, best: bool,
                           nbest: int = 0, **overrides: Any) -> tuple[int, dict[str, Any]]:
     """One rule for eval.py and transformer.translate: a flag left unset (None) takes the workdir config's decode

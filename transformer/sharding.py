@@ -191,6 +191,15 @@ def with_shardings(abstract_tree: PyTree, shardings: PyTree) -> PyTree:
 # Multi-host
 
 
+def define_distributed_flags() -> None:
+    """train.py's and eval.py's multi-host flags: all three, or none to detect SLURM / a TPU pod slice / Open MPI
+    from the environment. The tool adopts them (flags.adopt_module_key_flags(sharding)) for its --help."""
+    from absl import flags
+    flags.DEFINE_string("coordinator_address", "", "host:port of process 0 for jax.distributed.initialize.")
+    flags.DEFINE_integer("num_processes", 0, "Number of processes (hosts) in the job.")
+    flags.DEFINE_integer("process_id", -1, "This process's index in [0, num_processes).")
+
+
 def initialize_distributed(coordinator_address: str = "", num_processes: int = 0, process_id: int = -1) -> bool:
     """jax.distributed.initialize from explicit flags, or from the cluster's environment (SLURM with more than
     one task, a multi-host TPU slice, Open MPI ...), before any other JAX call. Returns whether it did.

@@ -36,6 +36,8 @@ from typing import Any, Callable
 
 import ml_collections
 
+from transformer.workdir import pid_alive, write_json
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_SCRIPT = os.path.join(ROOT, "train.py")
 SWEEP_SCRIPT = os.path.join(ROOT, "scripts", "sweep.py")
@@ -363,14 +365,6 @@ def read_json(path: str) -> dict | None:
         return None
 
 
-def write_json(path: str, value: Any) -> None:
-    """Written to a temporary file and renamed: a concurrent --collect never reads half a file."""
-    temporary = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"
-    with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump(value, handle, indent=2)
-    os.replace(temporary, path)
-
-
 def is_complete(workdir: str, num_train_steps: int) -> bool:
     """train.py writes scores.json last: at the configured step count it is a finished run."""
     scores = read_json(os.path.join(workdir, "scores.json"))
@@ -419,18 +413,6 @@ def read_tail(path: str, size: int = 65536) -> str:
             return handle.read().decode("utf-8", "replace")
     except OSError:
         return ""
-
-
-def pid_alive(pid: int) -> bool:
-    if pid <= 0:  # os.kill(0, ...) would signal our own process group
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def run_state(workdir: str, num_train_steps: int) -> tuple[str, dict]:

@@ -814,13 +814,8 @@ RESUMABLE_CHANGES = ("train.num_train_steps", "train.log_every_steps", "train.ev
 LEGACY_DEFAULTS = {"train.dropout_rng": "threefry2x32"}
 
 
-def read_json(path: str) -> dict[str, Any]:
-    """A workdir's JSON record, or {} before it is first written; a torn one is named (workdirs.read_json)."""
-    return workdirs.read_json(path, {})
-
-
 def read_run_file(workdir: str) -> dict[str, Any]:
-    return read_json(os.path.join(workdir, RUN_FILE))
+    return workdirs.read_json(os.path.join(workdir, RUN_FILE), {})  # {} before the first start writes it
 
 
 def recorded_batch(workdir: str) -> BatchShape | None:
@@ -932,7 +927,7 @@ def use_compilation_cache(directory: str, workdir: str) -> None:
 
 def read_reports(workdir: str) -> dict[str, Any]:
     """The train.report_minutes scores an earlier part of the run wrote (workdir/reports.json), by mark."""
-    return read_json(os.path.join(workdir, REPORTS_FILE))
+    return workdirs.read_json(os.path.join(workdir, REPORTS_FILE), {})
 
 
 def previous_train_seconds(workdir: str, start_step: int) -> float:
@@ -1020,6 +1015,11 @@ class Restored:
 
     def search_fn(self):
         return self.settings.decode.search_fn(self.graphdef, self.settings.seed)
+
+    @property
+    def input_bound(self) -> int:
+        """Sources past this many tokens are cut (decode.max_input_length, by default the training max_length)."""
+        return self.settings.decode.input_bound(self.settings.data.max_length, self.model_config.position_limit)
 
 
 def restore(workdir: str, step: int | None = None, *, average_last: int = 0, best: bool = False,

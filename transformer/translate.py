@@ -25,21 +25,10 @@ from absl import app, flags, logging
 
 from transformer import decode, errors, trainer
 
-flags.DEFINE_string("workdir", None, "A directory written by train.py.", required=True)
-flags.DEFINE_integer("step", None, "Checkpoint step to restore (default: the latest).")
-flags.DEFINE_integer("average_last", None, "Average the parameters of the last N checkpoints up to --step "
-                     "(default: the config's decode.average_last, none with --best; 0 or 1: no averaging).")
-flags.DEFINE_bool("best", False, "Use the checkpoint of the best dev BLEU (workdir/best_checkpoint).")
-flags.DEFINE_integer("beam_size", None, "Beam size (default: the config's decode.beam_size; 1 = greedy).")
-flags.DEFINE_float("alpha", None, "Length penalty alpha of beam search (default: the config's decode.alpha).")
-flags.DEFINE_enum("length_penalty", None, list(decode.PENALTIES), "gnmt: ((5 + length) / 6)^alpha; fairseq: "
-                  "length^alpha (default: the config's decode.length_penalty).")
-flags.DEFINE_integer("max_extra_length", None, "Outputs may have up to input length + this many tokens "
-                     "(default: the config's decode.max_extra_length).")
+decode.define_command_line_flags("lines")
+flags.adopt_module_key_flags(decode)
 flags.DEFINE_integer("batch_size", None, "Lines translated together, rounded up to whole rows per device; output "
                      "is written after each batch (default: the config's decode.batch_size).")
-flags.DEFINE_integer("max_tokens_per_batch", None, "At most this many lines x padded source length per decoding "
-                     "batch; 0: no budget (default: the config's decode.max_tokens_per_batch).")
 flags.DEFINE_integer("nbest", 0, "Write the N best hypotheses of each line (N <= beam size) in Moses' n-best "
                      "format instead of the translations (0: the best translation only).")
 flags.DEFINE_string("input", None, "A file of source sentences, one per line (default: stdin).")
@@ -59,7 +48,7 @@ def translate_stream(restored: trainer.Restored, lines: TextIO, out: TextIO, bat
     warning at the end naming `name` and the lines. Returns the number of lines."""
     settings = restored.settings.decode
     search = settings.search_fn(restored.graphdef, restored.settings.seed, scores=nbest > 0)
-    bound = settings.input_bound(restored.settings.data.max_length, restored.model_config.position_limit)
+    bound = restored.input_bound
     batch_sharding = restored.batch_sharding
     rows, count, cut_lines = decode.rows_per_batch(batch_size, batch_sharding), 0, []
     for chunk in chunks(lines, rows):
