@@ -91,9 +91,6 @@ class MetricsWindow:
         self.input_seconds = 0.0  # spent waiting for the next batch in this window
         self.skipped = 0  # non-finite updates skipped so far in this part of the run
 
-    def __len__(self) -> int:
-        return len(self.pending)
-
     def add(self, step_metrics: dict[str, Any]) -> None:
         self.pending.append(step_metrics)
 
