@@ -25,8 +25,7 @@ import time
 import jax
 from absl import app, flags, logging
 
-from transformer import data, decode, errors, metrics, sharding, sources, trainer
-from transformer import workdir as workdirs
+from transformer import data, decode, errors, files, metrics, sharding, sources, trainer
 
 decode.define_command_line_flags("sentences")
 flags.adopt_module_key_flags(decode)
@@ -46,8 +45,7 @@ FLAGS = flags.FLAGS
 def read_lines(path: str) -> list[str]:
     """Every line (empty ones too, so the output stays line-aligned with the input)."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            return [line.strip() for line in handle]
+        return [line.strip() for line in files.read_text(path).splitlines()]
     except (OSError, UnicodeDecodeError) as error:
         raise sources.DataError(f"cannot read {path}: {error}") from error
 
@@ -56,8 +54,8 @@ def write_lines(path: str, lines: list[str]) -> None:
     """Process 0 writes (every process holds every translation), whole and renamed into place: a reader, or a
     kill, never sees half a file."""
     if jax.process_index() == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        workdirs.write_text(path, "".join(line + "\n" for line in lines))
+        files.make_dirs(os.path.dirname(files.absolute(path)))
+        files.write_text(path, "".join(line + "\n" for line in lines))
 
 
 def say(line: str) -> None:

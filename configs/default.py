@@ -37,6 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
     data.max_length = 64  # tokens per packed row; training pairs longer than this on either side are dropped
     data.tokens_per_batch = 2048  # token budget per step and side (all processes): rows = tokens_per_batch // max_length
     data.num_workers = 0  # grain worker processes that tokenize the train split and pack batches (0: in-process)
+    data.local_cache_dir = ""  # a gs:// workdir's local copies (token cache, vocabulary); empty: ~/.cache/transformer
 
     config.model = model = ml_collections.ConfigDict()
     model.emb_dim = 128  # d_model

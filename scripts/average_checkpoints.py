@@ -4,18 +4,16 @@ transformer.translate read like any other (the paper averaged the last 5 checkpo
     python scripts/average_checkpoints.py --workdir=runs/base --average_last=5 --output_workdir=runs/base_avg5
     python eval.py --workdir=runs/base_avg5
 
-The new workdir gets config.json, vocab.model and checkpoints/<last step>: the mean of the parameters only (what
+The new workdir gets config.json, vocab.model, run.json and checkpoints/<last step>: the mean of the parameters only (what
 evaluation reads; it cannot resume training). An existing, non-empty --output_workdir is refused.
 """
 
 import os
-import shutil
 
 from absl import app, flags, logging
 
-from transformer import trainer
+from transformer import files, trainer
 from transformer.checkpoint import Checkpointer
-from transformer.tokenizer import Tokenizer
 
 
 def define_flags() -> None:
@@ -33,15 +31,16 @@ def write_averaged_workdir(workdir: str, output_workdir: str, average_last: int,
     """Average and write; returns the averaged steps. Everything is checked before output_workdir is created."""
     if average_last < 1:
         raise ValueError(f"--average_last={average_last} must be >= 1")
-    if os.path.exists(output_workdir) and (not os.path.isdir(output_workdir) or os.listdir(output_workdir)):
+    if files.exists(output_workdir) and (not files.is_dir(output_workdir) or files.list_dir(output_workdir)):
         raise FileExistsError(f"--output_workdir={output_workdir} exists and is not empty; choose a new directory")
     restored = trainer.restore(workdir, step, average_last=average_last)  # every check and message lives here
     steps = restored.averaged_steps or [restored.step]
     settings = restored.settings
-    os.makedirs(output_workdir, exist_ok=True)
-    shutil.copy(os.path.join(workdir, trainer.CONFIG_FILE), os.path.join(output_workdir, trainer.CONFIG_FILE))
-    if not settings.data.vocab_path:
-        shutil.copy(Tokenizer(os.path.join(workdir, "vocab.model")).path, os.path.join(output_workdir, "vocab.model"))
+    files.make_dirs(output_workdir)
+    files.copy_file(os.path.join(workdir, trainer.CONFIG_FILE), os.path.join(output_workdir, trainer.CONFIG_FILE))
+    for name in ("vocab.model", trainer.RUN_FILE):  # the vocabulary, and the record eval checks it against
+        if files.exists(os.path.join(workdir, name)):
+            files.copy_file(os.path.join(workdir, name), os.path.join(output_workdir, name))
     target = Checkpointer(os.path.join(output_workdir, "checkpoints"), save_every_steps=1, keep=1, use_async=False)
     target.save(steps[-1], {"params": restored.params}, force=True)  # what evaluation reads
     target.wait()

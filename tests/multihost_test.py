@@ -14,7 +14,7 @@ import pytest
 from multiprocess_test import free_port
 from tiny import TINY_OVERRIDES
 
-from transformer import trainer
+from transformer import data, trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = {**TINY_OVERRIDES, "train.num_train_steps": 12, "train.log_every_steps": 3,
@@ -48,9 +48,10 @@ def run(workdir, processes, devices, steps):
     return outputs[0]
 
 
-def evaluate(workdir, processes, devices):
+def evaluate(workdir, processes, devices, tool=("eval.py", "--split=valid")):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    command = [sys.executable, os.path.join(ROOT, "eval.py"), f"--workdir={workdir}", "--split=valid"]
+    program = ["-m", "transformer.translate"] if tool[0] == "translate" else [os.path.join(ROOT, tool[0])]
+    command = [sys.executable, *program, f"--workdir={workdir}", *tool[1:]]
     if processes == 1:
         result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
         assert result.returncode == 0, result.stderr[-3000:]
@@ -99,3 +100,15 @@ def test_four_hosts_stopped_and_resumed_on_two_end_like_one_process(tmp_path):
     assert together[0]["bleu"] == alone[0]["bleu"] and together[0]["devices"] == 8
     translations = tmp_path / "hosts" / "eval" / "valid.avg3_step12.greedy-extra4.txt"
     assert len(translations.read_text().splitlines()) == together[0]["sentences"] == 64
+
+    # translate as 2 processes x 4 devices writes what it writes as one process.
+    sources = tmp_path / "sources.txt"
+    settings = trainer.Settings.from_config(trainer.load_workdir_config(str(tmp_path / "hosts")))
+    sources.write_text("".join(s + "\n" for s, _ in data.read_split(settings.data, "valid")[:40]))
+    outputs = {}
+    for processes, devices in ((1, 8), (2, 4)):
+        output = tmp_path / f"translated{processes}.txt"
+        evaluate(tmp_path / "hosts", processes, devices,
+                 ("translate", f"--input={sources}", f"--output={output}", "--average_last=3"))
+        outputs[processes] = output.read_text().splitlines()
+    assert len(outputs[1]) == 40 and outputs[2] == outputs[1]

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from transformer import data, workdir
+from transformer import data, files, workdir
 from transformer.sources import DataError
 from transformer.tokenizer import train_tokenizer
-from transformer.workdir import (VocabularyMismatchError, WorkdirFileError, WorkdirInUseError, WorkdirLock,
+from transformer.workdir import (VocabularyMismatchError, WorkdirInUseError, WorkdirLock,
                                  WorkdirLockLost)
 
 # Another process: takes the lock (at time argv[4] if given, so that several race) and holds it until killed or
@@ -174,7 +174,7 @@ def test_the_heartbeat_advances_and_release_removes_only_our_own_lock(tmp_path, 
 
 WRITER = """
 import sys
-from transformer.workdir import write_json
+from transformer.files import write_json
 for i in range(10**9):
     write_json(sys.argv[1], {"i": i, "pad": "x" * 1_000_000})
 """
@@ -191,19 +191,19 @@ def test_a_killed_writer_leaves_a_whole_json_file(tmp_path, delay):
     finally:
         writer.kill()
         writer.wait()
-    record = workdir.read_json(str(path))
+    record = files.read_json(str(path))
     assert record["i"] >= 0 and record["pad"] == "x" * 1_000_000
 
 
 def test_read_json_is_empty_when_absent_and_names_a_damaged_file(tmp_path, warnings):
-    assert workdir.read_json(str(tmp_path / "absent.json")) == {}
-    assert workdir.read_json(str(tmp_path / "absent.json"), default=None) is None
-    workdir.write_json(str(tmp_path / "run.json"), {"batch": {"rows": 8}})
-    assert workdir.read_json(str(tmp_path / "run.json")) == {"batch": {"rows": 8}}
+    assert files.read_json(str(tmp_path / "absent.json")) == {}
+    assert files.read_json(str(tmp_path / "absent.json"), default=None) is None
+    files.write_json(str(tmp_path / "run.json"), {"batch": {"rows": 8}})
+    assert files.read_json(str(tmp_path / "run.json")) == {"batch": {"rows": 8}}
     (tmp_path / "run.json").write_text('{"batch": {"ro')
-    with pytest.raises(WorkdirFileError, match=r"run.json is not valid JSON \(.*line 1 column"):
-        workdir.read_json(str(tmp_path / "run.json"))
-    assert workdir.read_json(str(tmp_path / "run.json"), default={"peak": 0}, cache=True) == {"peak": 0}
+    with pytest.raises(files.DamagedFileError, match=r"run.json is not valid JSON \(.*line 1 column"):
+        files.read_json(str(tmp_path / "run.json"))
+    assert files.read_json(str(tmp_path / "run.json"), default={"peak": 0}, cache=True) == {"peak": 0}
     assert "run.json is not valid JSON" in warnings.text
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import glob
+import fnmatch
 import json
 import logging
 import os
@@ -36,8 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from transformer import errors
+from transformer import files
 
 PyTree = Any
 log = logging.getLogger("transformer")  # the trainer's console logger (transformer.metrics sets its handler)
@@ -146,7 +148,7 @@ class Checkpointer:
 
     def __init__(self, directory: str, *, save_every_steps: int, keep: int, use_async: bool = True,
                  read_only: bool = False, best_metric: str | None = None):
-        self.directory = os.path.abspath(directory)
+        self.directory = files.absolute(directory)
         self.save_every_steps = save_every_steps
         self.read_only = read_only
         best = {} if best_metric is None else dict(
@@ -203,19 +205,19 @@ class Checkpointer:
         checkpoint that saved one raises CheckpointUnreadableError."""
         directory = os.path.join(self.directory, str(step), DATA_ITEM)
         with self._reading(step):
-            if not os.path.isdir(directory):
+            if not files.is_dir(directory):
                 # The step's metadata lists the items it saved: a checkpoint of an older version saved no data item.
                 if DATA_ITEM in (self.manager.metadata(step).item_handlers or {}):
                     raise FileNotFoundError(f"its data iterator state ({directory}) is missing")
                 return None
             own = os.path.join(directory, f"process_{jax.process_index()}-of-{jax.process_count()}.json")
-            names = [own] if os.path.exists(own) else sorted(glob.glob(os.path.join(directory, "process_*-of-*.json")))
+            names = [own] if files.exists(own) else [os.path.join(directory, name) for name in files.list_dir(
+                directory) if fnmatch.fnmatch(name, "process_*-of-*.json")]
             if not names:
                 raise FileNotFoundError(f"{directory} holds no data iterator state (process_<i>-of-<n>.json)")
             states = {}
             for name in names:
-                with open(name, "rb") as handle:
-                    states[name] = handle.read()
+                states[name] = files.read_bytes(name)
             parsed = {json.dumps(json.loads(s), sort_keys=True) for s in states.values()}  # a torn file fails here
         if len(parsed) > 1:
             raise CheckpointMismatchError(f"the data iterator states in {directory} differ between processes, so "
@@ -253,7 +255,7 @@ class Checkpointer:
         if jax.process_index() == 0:
             for step in steps:
                 target = self._unused_path(f"{step}{DAMAGED_MARK}{time.strftime('%Y%m%dT%H%M%S')}")
-                os.rename(os.path.join(self.directory, str(step)), target)
+                epath.Path(self.directory, str(step)).rename(target)
                 log.warning("moved the unreadable checkpoint of step %d aside to %s (kept, not deleted), so this run "
                             "can save step %d again", step, target, step)
         if jax.process_count() > 1:
@@ -264,7 +266,7 @@ class Checkpointer:
 
     def _unused_path(self, name: str) -> str:
         path, attempt = os.path.join(self.directory, name), 1
-        while os.path.exists(path):
+        while files.exists(path):
             path, attempt = os.path.join(self.directory, f"{name}-{attempt}"), attempt + 1
         return path
 

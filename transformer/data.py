@@ -35,7 +35,8 @@ from absl import logging
 from transformer import corpus, sources
 from transformer.sources import DataError
 from transformer.tokenizer import Tokenizer, train_tokenizer
-from transformer.workdir import VOCABULARY_FILE, VocabularyMismatchError, copy_file, fingerprint
+from transformer import files
+from transformer.workdir import VOCABULARY_FILE, VocabularyMismatchError, fingerprint
 
 SOURCES = ("builtin", "text", "tfds")
 SPLITS = ("train", "valid", "test")
@@ -67,6 +68,7 @@ class DataConfig:
     max_length: int = 64
     tokens_per_batch: int = 4096
     num_workers: int = 0
+    local_cache_dir: str = ""
 
     def __post_init__(self):
         if self.source not in SOURCES:
@@ -99,7 +101,7 @@ def text_files(config: DataConfig, split: str) -> tuple[str, str]:
     paths = []
     for lang in (config.source_lang, config.target_lang):
         path = os.path.join(config.text_dir, f"{config.split_name(split)}.{lang}")
-        paths.append(path + ".gz" if not os.path.exists(path) and os.path.exists(path + ".gz") else path)
+        paths.append(path + ".gz" if not files.exists(path) and files.exists(path + ".gz") else path)
     return paths[0], paths[1]
 
 
@@ -300,7 +302,7 @@ def wait_for_file(path: str, what: str, timeout_seconds: float = 3600.0, poll_se
     """Block until process 0 has written `path` (files are written under a temporary name and renamed,
     so existence means complete)."""
     deadline = time.monotonic() + timeout_seconds
-    while not os.path.exists(path):
+    while not files.exists(path):
         if time.monotonic() > deadline:
             raise TimeoutError(f"waited {timeout_seconds:.0f}s for process 0 to write the {what} {path}; "
                                f"did process 0 fail? Its log says why.{hint}")
@@ -313,45 +315,61 @@ def load_or_train_tokenizer(config: DataConfig, train: SplitSource | list[tuple[
     and a changed file at vocab_path is caught), else the one a previous run wrote, else trained there on a
     seeded sample of the train split (spilled to disk first, so the split is never whole in memory).
 
-    On many processes only process 0 trains or copies; the others wait for its file (the workdir is shared)."""
+    On many processes only process 0 trains or copies; the others wait for its file (the workdir is shared).
+    A workdir on object storage keeps the model's local copy in files.local_directory (sentencepiece opens
+    a local file)."""
     path = os.path.join(workdir, VOCABULARY_FILE)
+    local = os.path.join(files.local_directory(workdir, config.local_cache_dir), VOCABULARY_FILE)
     process_index = jax.process_index() if process_index is None else process_index
     if config.vocab_path:
-        return given_tokenizer(config.vocab_path, path, process_index)
+        return given_tokenizer(config.vocab_path, path, process_index, local)
     if process_index != 0:
         wait_for_file(path, "vocabulary")
-    if os.path.exists(path):  # written by an earlier start of this run: resume with the same ids
-        tokenizer = Tokenizer(path)
+    if files.exists(path):  # written by an earlier start of this run: resume with the same ids
+        tokenizer = local_tokenizer(path, local)
         if tokenizer.vocab_size != config.vocab_size:
             raise DataError(f"{path} has {tokenizer.vocab_size} pieces but data.vocab_size={config.vocab_size}: "
                             "this workdir belongs to another run; use a new --workdir")
         return tokenizer
-    sentences = as_split_source(train, "train").sentences(os.path.join(workdir, "tokens"))
+    sentences = as_split_source(train, "train").sentences(os.path.join(os.path.dirname(local), "tokens"))
     start = time.perf_counter()
-    tokenizer = train_tokenizer(sentences, path, vocab_size=config.vocab_size,
+    tokenizer = train_tokenizer(sentences, local, vocab_size=config.vocab_size,
                                 character_coverage=config.vocab_character_coverage,
                                 max_sentences=config.vocab_max_sentences, max_characters=config.vocab_max_characters)
+    files.publish(local, path)
     logging.info("trained the vocabulary %s in %.1fs", path, time.perf_counter() - start)
     return tokenizer
 
 
-def given_tokenizer(vocab_path: str, path: str, process_index: int) -> Tokenizer:
+def local_tokenizer(path: str, local: str) -> Tokenizer:
+    """The tokenizer of the model at `path`, read from its local copy `local` (fetched when missing or stale)."""
+    if local != path and (not os.path.exists(local) or fingerprint(local) != fingerprint(path)):
+        files.fetch(path, local)
+    return Tokenizer(local)
+
+
+def given_tokenizer(vocab_path: str, path: str, process_index: int, local: str | None = None) -> Tokenizer:
     """data.vocab_path, loaded from its copy at `path` in the workdir: made by process 0 on first use,
     refused if a copy already there has other bytes (the workdir's run was trained with another vocabulary)."""
-    if not os.path.exists(vocab_path):
+    local = local or path
+    if not files.exists(vocab_path):
         raise DataError(f"data.vocab_path={vocab_path} does not exist")
     if process_index != 0:
         wait_for_file(path, "vocabulary", hint=f" (process 0 copies data.vocab_path={vocab_path} there)")
-    elif not os.path.exists(path):
-        Tokenizer(vocab_path)  # refuses a model with other special ids before it enters the workdir
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        copy_file(vocab_path, path)
+    elif not files.exists(path):
+        checked = vocab_path if files.is_local(vocab_path) else local + ".given"  # sentencepiece reads local files
+        files.fetch(vocab_path, checked)
+        Tokenizer(checked)  # refuses a model with other special ids before it enters the workdir
+        files.make_dirs(os.path.dirname(path) or ".")
+        files.copy_file(checked, path)
+        if checked != vocab_path:
+            os.remove(checked)
     given, kept = fingerprint(vocab_path), fingerprint(path)
     if given != kept:
         raise VocabularyMismatchError(f"data.vocab_path={vocab_path} (sha256 {given}) is not {path} (sha256 {kept}), "
                                       "the vocabulary this workdir was started with; use a new --workdir, or "
                                       "restore that file")
-    return Tokenizer(path)
+    return local_tokenizer(path, local)
 
 
 @dataclasses.dataclass
@@ -611,33 +629,53 @@ def cache_directory(workdir: str, split: str, record: dict[str, Any]) -> str:
 
 def load_or_build_token_cache(train: SplitSource | list[tuple[str, str]], tokenizer: Tokenizer, workdir: str,
                               split: str, *, num_workers: int = 0, process_index: int | None = None,
-                              timeout_seconds: float = 3600.0) -> TokenCache:
+                              timeout_seconds: float = 3600.0, local_root: str = "") -> TokenCache:
     """The split's cache in the workdir, found by the split's fingerprint: process 0 builds it if absent (and
-    only then reads the split), the other processes wait for it."""
+    only then reads the split), the other processes wait for it. The cache is memory-mapped, so a workdir on
+    object storage holds a published copy and each host maps its fetched local one."""
     source = as_split_source(train, split)
     record = cache_record(tokenizer.path, source.fingerprint)
     directory = cache_directory(workdir, split, record)
+    local = cache_directory(files.local_directory(workdir, local_root), split, record)
     process_index = jax.process_index() if process_index is None else process_index
-    if not os.path.isdir(directory):
+    published = os.path.join(directory, SOURCE_FILE)  # published last: its presence means the copy is whole
+    if not os.path.isdir(local) and (process_index != 0 or files.exists(published)):
         if process_index != 0:
-            wait_for_file(directory, f"{split} token cache", timeout_seconds, hint=(
-                " Else this process sees another source than process 0: the cache is named by the source files'"
-                " paths, sizes and modification times, which must be the same for every process."))
-        else:
-            start = time.perf_counter()
-            TokenCache.build(source.spill(os.path.join(workdir, "tokens")), tokenizer.path, directory,
-                             num_workers=num_workers, record=record)
-            logging.info("tokenized the %s split into %s in %.1fs", split, directory, time.perf_counter() - start)
-    check_cache_record(directory, record)
-    return TokenCache(directory)
+            wait_for_file(directory if local == directory else published, f"{split} token cache", timeout_seconds,
+                          hint=(" Else this process sees another source than process 0: the cache is named by the"
+                                " source files' paths, sizes and modification times, which must be the same for"
+                                " every process."))
+        fetch_cache(directory, local)
+    elif not os.path.isdir(local):
+        start = time.perf_counter()
+        TokenCache.build(source.spill(os.path.dirname(local)),
+                         tokenizer.path, local, num_workers=num_workers, record=record)
+        logging.info("tokenized the %s split into %s in %.1fs", split, local, time.perf_counter() - start)
+    check_cache_record(local, record)
+    if local != directory and not files.exists(published) and process_index == 0:
+        for name in (*CACHE_FILES, SOURCE_FILE):
+            files.publish(os.path.join(local, name), os.path.join(directory, name))
+    return TokenCache(local)
+
+
+def fetch_cache(directory: str, local: str) -> None:
+    """Copy a published cache to this host's disk, renamed into place when whole."""
+    if directory == local:
+        return
+    temporary = f"{local}.tmp{os.getpid()}"
+    try:
+        for name in (*CACHE_FILES, SOURCE_FILE):
+            files.fetch(os.path.join(directory, name), os.path.join(temporary, name))
+        os.replace(temporary, local)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
 
 
 def check_cache_record(directory: str, record: dict[str, Any]) -> None:
     """A cache found by name is used only if its SOURCE_FILE says it came from `record`."""
     path = os.path.join(directory, SOURCE_FILE)
     try:
-        with open(path, encoding="utf-8") as handle:
-            stored = json.load(handle)
+        stored = json.loads(files.read_text(path))
     except (OSError, ValueError) as error:
         raise DataError(f"token cache {directory} has no readable {SOURCE_FILE} ({error}); delete that folder "
                         "to rebuild it") from error

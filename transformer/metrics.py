@@ -14,7 +14,7 @@ from typing import Any
 
 import sacrebleu
 
-from transformer.workdir import write_bytes
+from transformer import files
 
 
 def _console_logger() -> logging.Logger:
@@ -88,8 +88,7 @@ def all_scores(hypotheses: list[str], references: list[str], *, target_lang: str
 def _parse_jsonl(path: str) -> tuple[list[tuple[bytes, dict[str, Any]]], list[int], bool]:
     """(raw line, record) of each readable line, the numbers of the unreadable ones, and whether the file
     ends with a newline. A line is readable if it is UTF-8 holding one JSON object."""
-    with open(path, "rb") as handle:
-        content = handle.read()
+    content = files.read_bytes(path)
     lines, readable, unreadable = content.split(b"\n"), [], []
     if lines and not lines[-1]:
         lines.pop()  # the empty string after the final newline
@@ -115,7 +114,7 @@ def _line_numbers(numbers: list[int]) -> str:
 def read_jsonl(path: str) -> list[dict[str, Any]]:
     """The records of a JSON-lines file, skipping (with one warning) lines that are not JSON objects, such as
     a last line torn by a kill; [] when there is no such file."""
-    if not os.path.exists(path):
+    if not files.exists(path):
         return []
     readable, unreadable, _ = _parse_jsonl(path)
     if unreadable:
@@ -133,13 +132,18 @@ def repair_jsonl(path: str, resume_step: int | None = None) -> None:
         log.warning("%s: dropped unreadable line(s) %s (left by a run killed while writing); kept %d records",
                     path, _line_numbers(unreadable), len(kept))
     if unreadable or len(kept) < len(readable) or not ends_with_newline:
-        write_bytes(path, b"".join(line + b"\n" for line in kept))
+        files.write_bytes(path, b"".join(line + b"\n" for line in kept))
 
 
 class MetricWriter:
-    """Writes scalars to TensorBoard (workdir/tensorboard) and appends them as JSON lines (workdir/metrics.jsonl)."""
+    """Writes scalars to TensorBoard (workdir/tensorboard) and appends them as JSON lines (workdir/metrics.jsonl).
 
-    def __init__(self, workdir: str, enabled: bool = True, resume_step: int | None = None):
+    Object storage has no append: a workdir there gets both files written in its local mirror
+    (workdir.local_directory) and copied up, metrics.jsonl at every write and TensorBoard's events at most
+    every `publish_seconds` and at close."""
+
+    def __init__(self, workdir: str, enabled: bool = True, resume_step: int | None = None, *, local_root: str = "",
+                 publish_seconds: float = 60.0):
         """With resume_step, drop the JSONL records a stopped run wrote after that step (the checkpoint it
         resumes from), so that each step appears once. Lines a kill left unreadable (a torn last line, junk)
         are dropped with one warning, so that new records are not appended to a partial line."""
@@ -148,10 +152,15 @@ class MetricWriter:
             return
         from tensorboardX import SummaryWriter  # imported here: slow, and only the writing process needs it
 
-        path = os.path.join(workdir, "metrics.jsonl")
+        self.workdir, self.local = workdir, files.local_directory(workdir, local_root)
+        self.publish_seconds, self.published = publish_seconds, time.monotonic()
+        path, remote = os.path.join(self.local, "metrics.jsonl"), os.path.join(workdir, "metrics.jsonl")
+        if self.local != workdir and files.exists(remote):
+            files.fetch(remote, path)  # the workdir's copy is the record; the mirror may be stale or absent
         if os.path.exists(path):
             repair_jsonl(path, resume_step)
-        self.tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        os.makedirs(self.local, exist_ok=True)
+        self.tensorboard = SummaryWriter(os.path.join(self.local, "tensorboard"))
         self.jsonl = open(path, "a", encoding="utf-8")
 
     def write(self, step: int, scalars: dict[str, float], prefix: str) -> None:
@@ -162,11 +171,25 @@ class MetricWriter:
                 self.tensorboard.add_scalar(f"{prefix}/{key}", value, step)
         self.jsonl.write(json.dumps({"step": step, "split": prefix, "time": time.time(), **scalars}) + "\n")
         self.jsonl.flush()
+        self.publish(tensorboard=time.monotonic() - self.published > self.publish_seconds)
+
+    def publish(self, tensorboard: bool) -> None:
+        """Copy the mirror's files up to a workdir on object storage (nothing to do for a local one)."""
+        if self.local == self.workdir:
+            return
+        files.publish(self.jsonl.name, os.path.join(self.workdir, "metrics.jsonl"))
+        if tensorboard:
+            self.tensorboard.flush()
+            events = os.path.join(self.local, "tensorboard")
+            for name in os.listdir(events):
+                files.publish(os.path.join(events, name), os.path.join(self.workdir, "tensorboard", name))
+            self.published = time.monotonic()
 
     def close(self) -> None:
         if self.enabled:
             self.tensorboard.close()
             self.jsonl.close()
+            self.publish(tensorboard=True)
 
 
 class Progress:

@@ -192,7 +192,7 @@ def with_shardings(abstract_tree: PyTree, shardings: PyTree) -> PyTree:
 
 
 def define_distributed_flags() -> None:
-    """train.py's and eval.py's multi-host flags: all three, or none to detect SLURM / a TPU pod slice / Open MPI
+    """train.py's, eval.py's and translate's multi-host flags: all three, or none to detect SLURM / a TPU pod slice / Open MPI
     from the environment. The tool adopts them (flags.adopt_module_key_flags(sharding)) for its --help."""
     from absl import flags
     flags.DEFINE_string("coordinator_address", "", "host:port of process 0 for jax.distributed.initialize.")

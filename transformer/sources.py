@@ -26,6 +26,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from absl import logging
+from etils import epath
+
+from transformer import files
 
 # Examples are fetched from a TFDS data source in batches of this many keys:
 # ArrayRecord reads a batch in parallel, which is much faster than one key at a
@@ -143,6 +146,9 @@ def file_fingerprint(path: str) -> dict[str, Any]:
     """What identifies a data file without reading it: its real path, size and
     modification time (any edit, copy or `touch` changes one of them)."""
     try:
+        if not files.is_local(path):  # object storage: the stat has whole seconds
+            stat = epath.Path(path).stat()
+            return {"path": path, "size": stat.length, "mtime_ns": int(stat.mtime or 0) * 10**9}
         stat = os.stat(path)
     except FileNotFoundError as error:
         raise DataError(f"file not found: {path!r}") from error
@@ -160,7 +166,10 @@ def _open_binary(path: str) -> Any:
     would silently misalign the two sides.
     """
     try:
-        return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+        if files.is_local(path):
+            return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+        handle = files.open_file(path, "rb")
+        return _GzipClosing(fileobj=handle, mode="rb") if path.endswith(".gz") else handle
     except FileNotFoundError as error:
         raise DataError(f"file not found: {path!r}") from error
     except IsADirectoryError as error:
@@ -169,6 +178,18 @@ def _open_binary(path: str) -> Any:
         raise DataError(f"cannot read {path!r}: permission denied") from error
     except OSError as error:
         raise DataError(f"cannot read {path!r}: {error}") from error
+
+
+class _GzipClosing(gzip.GzipFile):
+    """A GzipFile over an object-storage stream that closes the stream too (GzipFile leaves a given one open)."""
+
+    def close(self) -> None:
+        stream = self.fileobj
+        try:
+            super().close()
+        finally:
+            if stream is not None:
+                stream.close()
 
 
 def _decode_lines(path: str, file: Any) -> Iterator[str]:
@@ -318,7 +339,7 @@ def tfds_fingerprint(name: str, split: str, data_dir: str | None = None) -> dict
     tfds = _import_tfds()
     builder = tfds.builder(name, data_dir=data_dir)
     info_path = os.path.join(os.fspath(builder.data_dir), "dataset_info.json")
-    info = file_fingerprint(info_path) if os.path.exists(info_path) else None
+    info = file_fingerprint(info_path) if files.exists(info_path) else None
     return {"name": builder.info.full_name, "data_dir": os.fspath(builder.data_dir), "split": split,
             "examples": len(data_source), "dataset_info": info}
 

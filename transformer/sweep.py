@@ -36,7 +36,8 @@ from typing import Any, Callable
 
 import ml_collections
 
-from transformer.workdir import pid_alive, write_json
+from transformer.files import write_json
+from transformer.workdir import pid_alive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_SCRIPT = os.path.join(ROOT, "train.py")

@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from transformer import checkpoint, data, decode, errors, loop, metrics, sharding, throughput
+from transformer import checkpoint, data, decode, errors, files, loop, metrics, sharding, throughput
 from transformer import workdir as workdirs
 from transformer.metrics import log
 from transformer.checkpoint import Checkpointer, abstract_like
@@ -325,8 +325,8 @@ def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
             log.warning("the train split's fingerprint %s differs from the one this run started with, %s (in %s): "
                         "its token cache is built again, and the batches from here on may differ", source,
                         recorded["train_data"], os.path.join(workdir, RUN_FILE))
-        cache = data.load_or_build_token_cache(train, tokenizer, workdir, "train",
-                                               num_workers=settings.data.num_workers)
+        cache = data.load_or_build_token_cache(train, tokenizer, workdir, "train", num_workers=settings.data.num_workers,
+                                               local_root=settings.data.local_cache_dir)
     length_filter = data.LengthFilter.of(cache, settings.data.max_length)
     log.info("train: %d pairs, %d dropped for length > %d tokens", len(length_filter.kept), length_filter.too_long,
              settings.data.max_length)
@@ -411,7 +411,7 @@ class Run:
         if not self.is_writer:  # one console: process 0's, from the first line on
             log.setLevel("WARNING")
         self.settings = Settings.from_config(config)
-        if os.path.exists(workdir) and not os.path.isdir(workdir):
+        if files.exists(workdir) and not files.is_dir(workdir):
             raise NotADirectoryError(f"--workdir={workdir} exists and is not a directory")
         self.checkpointer = self.snapshots = self.best_checkpointer = None
         self.checkpoints_closed = False
@@ -427,7 +427,7 @@ class Run:
         settings = self.settings
         splits = ["train", "valid"] + [s for s in settings.decode.splits if s != "valid"]
         checkpoint_dir = os.path.join(workdir, "checkpoints")
-        resuming = os.path.isdir(checkpoint_dir) and any(name.isdigit() for name in os.listdir(checkpoint_dir))
+        resuming = any(name.isdigit() for name in files.list_dir(checkpoint_dir))
         if resuming:
             for change in check_resume_config(load_workdir_config(workdir), config):
                 log.info("resuming with a changed setting: %s", change)
@@ -437,7 +437,7 @@ class Run:
                                       recorded_batch(workdir) if resuming else None)
         if note:
             log.warning("%s", note)
-        os.makedirs(workdir, exist_ok=True)
+        files.make_dirs(workdir)
         if settings.train.debug_nans:
             jax.config.update("jax_debug_nans", True)
         use_compilation_cache(settings.train.compilation_cache_dir, workdir)
@@ -463,7 +463,7 @@ class Run:
                                                   keep=1, use_async=settings.train.async_checkpointing,
                                                   best_metric="valid_bleu")
         if self.is_writer:
-            workdirs.write_text(os.path.join(workdir, CONFIG_FILE), saved_config(config, self.corpus.tokenizer))
+            files.write_text(os.path.join(workdir, CONFIG_FILE), saved_config(config, self.corpus.tokenizer))
             record_start(workdir, self.batch, self.mesh, settings, self.corpus)
 
     def close(self) -> None:
@@ -525,7 +525,7 @@ class Run:
             if self.is_writer:
                 step = int(self.state.step)
                 path = os.path.join(self.workdir, f"translations_{split}_{prefix}step{step}.txt")
-                workdirs.write_text(path, "".join(h + "\n" for h in hypotheses))
+                files.write_text(path, "".join(h + "\n" for h in hypotheses))
         return scores
 
     def train(self) -> dict[str, Any]:
@@ -592,7 +592,8 @@ class Run:
     def open_loop(self, start_step: int) -> None:
         """The loop's periodic actions and their state, for a part of the run starting after `start_step`."""
         config = self.settings.train
-        self.writer = metrics.MetricWriter(self.workdir, enabled=self.is_writer, resume_step=start_step)
+        self.writer = metrics.MetricWriter(self.workdir, enabled=self.is_writer, resume_step=start_step,
+                                           local_root=self.settings.data.local_cache_dir)
         self.progress = metrics.Progress(config.num_train_steps, start_step)
         self.search = self.search_fn()
         self.peak_flops = throughput.device_peak_flops(dtype=self.model_config.dtype)
@@ -692,7 +693,7 @@ class Run:
         self.close_checkpointers()
         self.writer.close()
         if self.is_writer:
-            workdirs.write_json(os.path.join(self.workdir, "scores.json"), result)
+            files.write_json(os.path.join(self.workdir, "scores.json"), result)
         self.close()
         return result
 
@@ -757,7 +758,7 @@ class Run:
 
     def _write_reports(self, reports: dict[str, Any]) -> None:
         if self.is_writer:
-            workdirs.write_json(os.path.join(self.workdir, REPORTS_FILE), reports)
+            files.write_json(os.path.join(self.workdir, REPORTS_FILE), reports)
 
     def train_iterator(self, start_step: int):
         """The grain iterator of this process's training batches, positioned after batch `start_step`."""
@@ -808,14 +809,14 @@ RESUMABLE_CHANGES = ("train.num_train_steps", "train.log_every_steps", "train.ev
                      "train.keep_best_checkpoint", "train.max_train_minutes", "train.report_minutes",
                      "train.dropout_rng",  # the masks change from the resumed step on, as with num_microbatches
                      "train.checkpoint_every_minutes", "train.compilation_cache_dir", "train.nonfinite",
-                     "train.debug_nans")
+                     "train.debug_nans", "data.local_cache_dir")
 # Keys a workdir's config.json may lack, with the value such a run actually used where it differs from today's
 # default (field_default): dropout masks came from threefry before train.dropout_rng existed.
 LEGACY_DEFAULTS = {"train.dropout_rng": "threefry2x32"}
 
 
 def read_run_file(workdir: str) -> dict[str, Any]:
-    return workdirs.read_json(os.path.join(workdir, RUN_FILE), {})  # {} before the first start writes it
+    return files.read_json(os.path.join(workdir, RUN_FILE), {})  # {} before the first start writes it
 
 
 def recorded_batch(workdir: str) -> BatchShape | None:
@@ -865,7 +866,7 @@ def record_start(workdir: str, batch: BatchShape, mesh, settings: Settings, corp
         record.setdefault("vocabulary", workdirs.vocabulary_record(corpus.tokenizer.path, corpus.tokenizer.vocab_size))
         record.setdefault("train_data", corpus.train_source)
     record.setdefault("starts", []).append(provenance(batch, mesh, settings))
-    workdirs.write_json(os.path.join(workdir, RUN_FILE), record)
+    files.write_json(os.path.join(workdir, RUN_FILE), record)
 
 
 def acquire_workdir(workdir: str) -> workdirs.WorkdirLock | None:
@@ -874,12 +875,12 @@ def acquire_workdir(workdir: str) -> workdirs.WorkdirLock | None:
     first: one process is one owner."""
     lock, error = None, None
     if jax.process_index() == 0:
-        previous = _HELD_LOCKS.pop(os.path.realpath(workdir), None)
+        previous = _HELD_LOCKS.pop(_lock_key(workdir), None)
         if previous is not None:
             previous.release()
         try:
             lock = workdirs.WorkdirLock(workdir).acquire()
-            _HELD_LOCKS[os.path.realpath(workdir)] = lock
+            _HELD_LOCKS[_lock_key(workdir)] = lock
         except Exception as caught:  # in use, or an unwritable workdir: every process must learn it
             error = caught
     if jax.process_count() > 1:
@@ -908,12 +909,16 @@ def check_workdir_lock(lock: workdirs.WorkdirLock | None) -> None:
 
 
 def release_workdir(workdir: str, lock: workdirs.WorkdirLock) -> None:
-    if _HELD_LOCKS.get(os.path.realpath(workdir)) is lock:
-        del _HELD_LOCKS[os.path.realpath(workdir)]
+    if _HELD_LOCKS.get(_lock_key(workdir)) is lock:
+        del _HELD_LOCKS[_lock_key(workdir)]
     lock.release()
 
 
-_HELD_LOCKS: dict[str, workdirs.WorkdirLock] = {}  # this process's workdir locks, by real path
+def _lock_key(workdir: str) -> str:
+    return os.path.realpath(workdir) if files.is_local(workdir) else workdir
+
+
+_HELD_LOCKS: dict[str, workdirs.WorkdirLock] = {}  # this process's workdir locks, by real path or URL
 
 
 def use_compilation_cache(directory: str, workdir: str) -> None:
@@ -927,7 +932,7 @@ def use_compilation_cache(directory: str, workdir: str) -> None:
 
 def read_reports(workdir: str) -> dict[str, Any]:
     """The train.report_minutes scores an earlier part of the run wrote (workdir/reports.json), by mark."""
-    return workdirs.read_json(os.path.join(workdir, REPORTS_FILE), {})
+    return files.read_json(os.path.join(workdir, REPORTS_FILE), {})
 
 
 def previous_train_seconds(workdir: str, start_step: int) -> float:
@@ -985,10 +990,9 @@ def saved_config(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> str
 
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
     path = os.path.join(workdir, CONFIG_FILE)
-    if not os.path.exists(path):
+    if not files.exists(path):
         raise FileNotFoundError(f"{path} not found: --workdir must be a directory written by train.py")
-    with open(path, encoding="utf-8") as handle:
-        return ml_collections.ConfigDict(json.load(handle))
+    return ml_collections.ConfigDict(json.loads(files.read_text(path)))
 
 
 @dataclasses.dataclass
@@ -1033,7 +1037,7 @@ def restore(workdir: str, step: int | None = None, *, average_last: int = 0, bes
         config.decode.update({key: value for key, value in decode_overrides.items() if value is not None})
     settings = Settings.from_config(config)
     names = [BEST_CHECKPOINT_DIR] if best else ["checkpoints", PARAMS_DIR]
-    directories = [os.path.join(workdir, name) for name in names if os.path.isdir(os.path.join(workdir, name))]
+    directories = [os.path.join(workdir, name) for name in names if files.is_dir(os.path.join(workdir, name))]
     if not directories:
         raise FileNotFoundError(f"no checkpoint in {workdir}: {os.path.join(workdir, names[0])} does not exist" + (
             " (train with --config.train.keep_best_checkpoint=true to keep one)" if best else ""))
@@ -1093,10 +1097,11 @@ def workdir_tokenizer(workdir: str, settings: Settings) -> Tokenizer:
     """The run's own vocabulary: its copy in the workdir (data.vocab_path's, for workdirs written before the copy),
     refused unless it is the one run.json recorded."""
     path = os.path.join(workdir, workdirs.VOCABULARY_FILE)
-    if not os.path.exists(path) and settings.data.vocab_path:
+    if not files.exists(path) and settings.data.vocab_path:
         path = settings.data.vocab_path
     workdirs.check_vocabulary(read_run_file(workdir).get("vocabulary"), path)
-    return Tokenizer(path)
+    local = os.path.join(files.local_directory(workdir, settings.data.local_cache_dir), workdirs.VOCABULARY_FILE)
+    return data.local_tokenizer(path, local if not files.is_local(path) else path)
 
 
 def eval_mesh(mesh_config: sharding.MeshConfig) -> tuple[sharding.MeshConfig, Any]:

@@ -23,7 +23,9 @@ from typing import TextIO
 
 from absl import app, flags, logging
 
-from transformer import decode, errors, trainer
+import jax
+
+from transformer import decode, errors, files, sharding, trainer
 
 decode.define_command_line_flags("lines")
 flags.adopt_module_key_flags(decode)
@@ -33,6 +35,8 @@ flags.DEFINE_integer("nbest", 0, "Write the N best hypotheses of each line (N <=
                      "format instead of the translations (0: the best translation only).")
 flags.DEFINE_string("input", None, "A file of source sentences, one per line (default: stdin).")
 flags.DEFINE_string("output", None, "Where to write the translations (default: stdout).")
+sharding.define_distributed_flags()  # several hosts: each decodes its share of every batch, process 0 writes
+flags.adopt_module_key_flags(sharding)
 FLAGS = flags.FLAGS
 
 
@@ -60,8 +64,9 @@ def translate_stream(restored: trainer.Restored, lines: TextIO, out: TextIO, bat
                                          first_index=count)
         else:
             written = decoded.translations(restored.tokenizer)
-        out.writelines(line + "\n" for line in written)
-        out.flush()
+        if jax.process_index() == 0:  # every process holds every translation
+            out.writelines(line + "\n" for line in written)
+            out.flush()
         cut_lines += [count + line for line in decoded.cut_lines]
         count += len(chunk)
     decode.warn_cut(name, cut_lines, count, bound)
@@ -73,12 +78,15 @@ def main(argv):
         raise errors.ConfigError(f"unexpected arguments {argv[1:]}: every option is a --flag=value")
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
+    sharding.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    if jax.process_count() > 1 and not FLAGS.input:
+        raise errors.ConfigError("several processes read the same lines: give them --input (a file), not stdin")
     with errors.as_config_error():  # a bad flag or saved setting is named before anything is restored
         restored = trainer.restore_for_command_line(
             FLAGS.workdir, FLAGS.step, average_last=FLAGS.average_last, best=FLAGS.best, nbest=FLAGS.nbest,
             **{name: FLAGS[name].value for name in decode.COMMAND_LINE_OVERRIDES})
-    source = open(FLAGS.input, encoding="utf-8") if FLAGS.input else sys.stdin
-    out = open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output else sys.stdout
+    source = files.open_file(FLAGS.input) if FLAGS.input else sys.stdin
+    out = files.open_file(FLAGS.output, "w") if FLAGS.output and jax.process_index() == 0 else sys.stdout
     try:
         translate_stream(restored, source, out, restored.settings.decode.batch_size, FLAGS.nbest,
                          FLAGS.input or "stdin")

@@ -28,8 +28,10 @@ another's lock is visible is refused, and a dead job's lock is taken over once i
 the threshold. What does not: two jobs starting within the same few seconds may both get the lock, and a
 takeover or a refresh racing another job's is not guarded.
 
-**Files.** `write_json`, `write_text` and `write_bytes` write a temporary file in the same directory, fsync
-it and rename it into place, so a kill leaves the old file or the new one, never part of one.
+**Files** go through transformer/files.py, which takes local paths and URLs (gs://) alike. On object storage
+the lock is written whole and read back: a job that starts while another's lock is visible is refused, but
+two jobs starting within the same second may both see their own lock (object stores have no exclusive
+create here).
 """
 
 from __future__ import annotations
@@ -49,7 +51,10 @@ import time
 import uuid
 from typing import Any
 
+from etils import epath
+
 from transformer.errors import ReportedError
+from transformer.files import temporary_path, write_all, exists, is_local, make_dirs, open_file, read_bytes, write_bytes
 from transformer.sources import DataError
 
 LOCK_FILE = "lock.json"
@@ -67,93 +72,8 @@ class WorkdirLockLost(ReportedError, RuntimeError):
     """This job's workdir lock was taken over (judged stale) by another job."""
 
 
-class WorkdirFileError(ReportedError, ValueError):
-    """A workdir file exists but cannot be read as what it should be."""
-
-
 class VocabularyMismatchError(DataError):
     """The vocabulary file is not the one the workdir's run was trained with."""
-
-
-# ----------------------------------------------------------------------------------------------------
-# Files a kill cannot tear
-
-
-def _temporary_path(path: str) -> str:
-    directory, name = os.path.split(os.path.abspath(path))
-    return os.path.join(directory, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def _fsync_directory(directory: str) -> None:
-    """Makes a rename durable across a power loss; some filesystems cannot open or fsync a directory."""
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def write_bytes(path: str, data: bytes) -> None:
-    """Replace `path` with `data` atomically: a temporary file beside it, fsynced, then renamed over it."""
-    temporary = _temporary_path(path)
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
-    try:
-        try:
-            _write_all(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-        raise
-    _fsync_directory(os.path.dirname(os.path.abspath(path)))
-
-
-def write_text(path: str, text: str) -> None:
-    write_bytes(path, text.encode("utf-8"))
-
-
-def write_json(path: str, obj: Any, *, indent: int | None = 2) -> None:
-    write_text(path, json.dumps(obj, indent=indent) + "\n")
-
-
-def copy_file(source: str, destination: str) -> None:
-    """Copy `source` to `destination` atomically (for small files: read whole)."""
-    with open(source, "rb") as handle:
-        write_bytes(destination, handle.read())
-
-
-_ABSENT = object()
-
-
-def read_json(path: str, default: Any = _ABSENT, *, cache: bool = False) -> Any:
-    """The JSON value in `path`, or `default` (an empty dict unless given) when there is no such file.
-
-    A file that exists but is not valid JSON raises WorkdirFileError naming it: a record (run.json,
-    reports.json) must not be silently replaced by an empty one. With cache=True (a file that can be
-    recomputed) it is only warned about and `default` returned."""
-    default = {} if default is _ABSENT else default
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
-    except FileNotFoundError:
-        return default
-    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
-        message = f"{path} is not valid JSON ({error})"
-        if cache:
-            log.warning("%s; ignoring it", message)
-            return default
-        raise WorkdirFileError(f"{message}: the file is damaged; repair it, or move it aside to start it anew") \
-            from error
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -163,7 +83,7 @@ def read_json(path: str, default: Any = _ABSENT, *, cache: bool = False) -> Any:
 def fingerprint(path: str) -> str:
     """The sha256 hex digest of the file's bytes."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with open_file(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
@@ -292,13 +212,27 @@ def describe(holder: dict[str, Any] | None, now: float | None = None) -> str:
 _NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
 
 
-def create_exclusive(path: str, data: bytes) -> int | None:
+REMOTE = -1  # create_exclusive's "created" on object storage, where there is no descriptor to keep
+
+
+def create_exclusive(path: str, data: bytes, settle_seconds: float = 1.0) -> int | None:
     """Create `path` holding `data` only if it does not exist; returns a read-write descriptor of the new file,
-    or None when `path` already exists. The file appears whole (hard link of a complete temporary file)."""
-    temporary = _temporary_path(path)
+    or None when `path` already exists. The file appears whole (hard link of a complete temporary file). On
+    object storage (REMOTE when created): written whole if absent, then read back after `settle_seconds`, so
+    that of two writers racing, the one whose object was replaced learns it."""
+    if not is_local(path):
+        if exists(path):
+            return None
+        write_bytes(path, data)
+        time.sleep(settle_seconds)
+        try:
+            return REMOTE if read_bytes(path) == data else None
+        except FileNotFoundError:
+            return None
+    temporary = temporary_path(path)
     fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        _write_all(fd, data)
+        write_all(fd, data)
         os.fsync(fd)
         try:
             os.link(temporary, path)
@@ -323,7 +257,7 @@ def create_exclusive(path: str, data: bytes) -> int | None:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             return None
-        _write_all(fd, data)
+        write_all(fd, data)
         os.fsync(fd)
         return fd
     return None
@@ -335,9 +269,12 @@ def read_lock(path: str, attempts: int = 4) -> tuple[dict[str, Any] | None, str,
     created or refreshed can be caught mid-write, so an unparsable one is read again a few times."""
     for attempt in range(attempts):
         try:
-            with open(path, "rb") as handle:
-                raw = handle.read()
-                modified = os.fstat(handle.fileno()).st_mtime
+            if is_local(path):
+                with open(path, "rb") as handle:
+                    raw = handle.read()
+                    modified = os.fstat(handle.fileno()).st_mtime
+            else:
+                raw, modified = read_bytes(path), float(epath.Path(path).stat().mtime or 0)
         except FileNotFoundError:
             return None
         try:
@@ -362,6 +299,7 @@ class WorkdirLock:
             raise ValueError(f"stale_after_seconds={stale_after_seconds} must be at least 3 heartbeats of "
                              f"heartbeat_seconds={heartbeat_seconds}, so that a live holder is never judged stale")
         self.workdir, self.path = workdir, os.path.join(workdir, LOCK_FILE)
+        self.local = is_local(workdir)
         self.heartbeat_seconds, self.stale_after_seconds = heartbeat_seconds, stale_after_seconds
         self.takeover_timeout_seconds = takeover_timeout_seconds
         self.record: dict[str, Any] | None = None  # ours while held
@@ -386,7 +324,7 @@ class WorkdirLock:
         up to that long first for it to be released or to go stale (e.g. a job requeued on another host)."""
         if self._fd is not None:
             raise RuntimeError(f"{self.path} is already held by this WorkdirLock")
-        os.makedirs(self.workdir, exist_ok=True)
+        make_dirs(self.workdir)
         machine, start = this_machine(), time.monotonic()
         stuck_after = start + self.takeover_timeout_seconds
         while True:
@@ -449,6 +387,9 @@ class WorkdirLock:
                 self.check()
                 self.record = {**self.record, "heartbeat": _now_text()}
                 data = _encode(self.record)
+                if not self.local:  # checked ours just above; an object cannot be rewritten in place
+                    write_bytes(self.path, data)
+                    continue
                 os.pwrite(self._fd, data, 0)  # our own file: a lock another job took over is another file
                 if os.fstat(self._fd).st_size != len(data):
                     os.ftruncate(self._fd, len(data))
@@ -485,7 +426,8 @@ class WorkdirLock:
             token = self.record["token"]
             removed = remove_if_unchanged(self.path, token, f"{self.path}.{token}.claim")
         finally:
-            os.close(self._fd)
+            if self._fd != REMOTE:
+                os.close(self._fd)
             self._fd, self._thread = None, None
             atexit.unregister(self.release)
         if not removed:
@@ -503,18 +445,20 @@ def remove_if_unchanged(path: str, identity: str, claim: str) -> bool:
     """Remove the lock at `path` if it is still the one of `identity`. The claim file, created exclusively,
     makes this one remover's act: every removal of a lock goes through its claim, so the lock seen under the
     claim cannot be replaced before it is removed, and of two removers only the first succeeds."""
-    fd = create_exclusive(claim, _encode({"host": socket.gethostname(), "pid": os.getpid(), "time": _now_text()}))
+    fd = create_exclusive(claim, _encode({"host": socket.gethostname(), "pid": os.getpid(), "time": _now_text(),
+                                          "token": uuid.uuid4().hex}))
     if fd is None:
         return False
     try:
         found = read_lock(path)
         if found is None or found[1] != identity:
             return False
-        os.unlink(path)
+        epath.Path(path).unlink()
         return True
     finally:
-        os.close(fd)
-        os.unlink(claim)
+        if fd != REMOTE:
+            os.close(fd)
+        epath.Path(claim).unlink()
 
 
 def _encode(record: dict[str, Any]) -> bytes:
