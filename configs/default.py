@@ -92,6 +92,8 @@ def get_config() -> ml_collections.ConfigDict:
     # "stop" ends the run naming the step and the last good checkpoint; "skip" leaves such updates out and logs them.
     train.nonfinite = "stop"
     train.debug_nans = False  # jax_debug_nans: re-runs the step op by op at the first NaN to name its source (slow)
+    train.wandb_project = ""  # also log to this Weights & Biases project (pip install -e ".[wandb]")
+    train.profile_steps = ""  # "N-M": a profiler trace of steps N to M in workdir/profile (TensorBoard, Perfetto)
 
     # Devices: a mesh of (data, fsdp, tensor); one size may be -1 (the remaining devices). Logical axis names
     # of the parameters map to mesh axes by `rules` (transformer/sharding.py): `name=axis[+axis], ...`.

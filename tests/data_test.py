@@ -12,28 +12,7 @@ from transformer.tokenizer import EOS_ID, Tokenizer, VocabularyError, train_toke
 from transformer.workdir import VocabularyMismatchError, fingerprint
 
 
-def examples_of(lengths):
-    return data.Examples([np.full(s, 7, np.int32) for s, _ in lengths], [np.full(t, 9, np.int32) for _, t in lengths])
-
-
 RANDOM_LENGTHS = list(zip(np.random.default_rng(0).integers(1, 20, 300), np.random.default_rng(1).integers(1, 20, 300)))
-
-
-def test_packing_fits_every_row_and_uses_each_pair_once():
-    examples = examples_of(RANDOM_LENGTHS)
-    rows = data.pack_rows(examples, np.arange(len(examples)), max_length=32)
-    assert sorted(i for row in rows for i in row) == list(range(len(examples)))
-    for row in rows:
-        assert sum(len(examples.inputs[i]) for i in row) <= 32 and sum(len(examples.targets[i]) for i in row) <= 32
-
-
-def test_packed_batch_has_segments_and_positions():
-    examples = data.Examples([np.array([5, 6, 1]), np.array([7, 1])], [np.array([8, 1]), np.array([9, 10, 11, 1])])
-    batch = data.make_batch(examples, [[0, 1]], num_rows=2, max_length=8)
-    np.testing.assert_array_equal(batch["inputs"][0], [5, 6, 1, 7, 1, 0, 0, 0])
-    np.testing.assert_array_equal(batch["inputs_segmentation"][0], [1, 1, 1, 2, 2, 0, 0, 0])
-    np.testing.assert_array_equal(batch["targets_position"][0], [0, 1, 0, 1, 2, 3, 0, 0])
-    assert not batch["inputs"][1].any()  # the unused row is padding
 
 
 def write_cache(directory, lengths):
@@ -174,14 +153,14 @@ def test_token_cache_matches_the_tokenizer_with_and_without_workers(tokenizer, t
     from absl import flags
     flags.FLAGS.mark_as_parsed()
     pairs = data.read_split(data.DataConfig(builtin_train_size=300), "train")
-    expected = data.tokenize(tokenizer, pairs)
+    expected = data.TokenCache.tokenize(tokenizer, pairs)  # in memory, as the eval loss's dev set
     for workers in (0, 1):
         cache = data.TokenCache.build(pairs, tokenizer.path, str(tmp_path / f"w{workers}"), num_workers=workers,
                                       chunk_size=64)
         assert len(cache) == len(pairs)
         for index in (0, 63, 64, 299):
-            np.testing.assert_array_equal(cache[index]["inputs"], expected.inputs[index])
-            np.testing.assert_array_equal(cache[index]["targets"], expected.targets[index])
+            np.testing.assert_array_equal(cache[index]["inputs"], expected[index]["inputs"])
+            np.testing.assert_array_equal(cache[index]["targets"], expected[index]["targets"])
     assert not [name for name in os.listdir(tmp_path) if ".tmp" in name]
 
 
@@ -234,11 +213,14 @@ def test_other_processes_wait_for_process_zero_to_write_the_vocabulary(tokenizer
         data.wait_for_file(str(tmp_path / "never"), "vocabulary", timeout_seconds=0.2, poll_seconds=0.05)
 
 
-def test_eval_batches_cover_the_split_with_one_shape():
-    examples = examples_of(RANDOM_LENGTHS)
-    batches = data.eval_batches(examples, max_length=32, rows_per_batch=16)
-    assert {b["inputs"].shape for b in batches} == {(16, 32)}
-    assert sum(int((b["targets"] != 0).sum()) for b in batches) == sum(t for _, t in RANDOM_LENGTHS)
+def test_eval_batches_hold_each_kept_pair_once_in_order_with_one_shape(cache):
+    kept = data.LengthFilter.of(cache, 16).kept
+    batches = data.eval_batches(cache, kept, max_length=16, rows_per_batch=8)
+    assert {b["inputs"].shape for b in batches} == {(8, 16)} and len(batches) > 1
+    order = [p for b in batches for p in pairs_in(b)]  # each segment one whole pair
+    assert sorted(order) == kept.tolist()
+    lengths = np.array(RANDOM_LENGTHS)[kept]
+    assert sum(int((b["targets"] != 0).sum()) for b in batches) == int(lengths[:, 1].sum())
 
 
 def test_decode_batches_are_length_sorted_padded_and_complete():

@@ -94,3 +94,26 @@ def test_all_scores_has_bleu_chrf_and_paper_bleu_with_signatures():
     assert scores["chrf"] == pytest.approx(sacrebleu.corpus_chrf(HYPOTHESES, [REFERENCES]).score)
     assert scores["chrf_signature"].startswith("nrefs:1|case:mixed|eff:yes|nc:6|nw:0|space:no|version:")
     assert scores["bleu"] == pytest.approx(bleu(HYPOTHESES, REFERENCES)["bleu"]) and 0 < scores["paper_bleu"] < 100
+
+
+def test_weights_and_biases_gets_the_scalars_samples_and_final_scores_offline(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")  # the optional wandb extra
+    import json
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    writer = MetricWriter(str(tmp_path / "run"), wandb_project="transformer-test",
+                          hparams={"model.emb_dim": 32, "mesh.rules": "batch=data"})
+    writer.write(10, {"loss": 2.5, "note": "text is not a scalar"}, "train")
+    writer.write_samples(10, "valid_bleu", [("a cat", "un gato", "un gato")])
+    writer.write_final({"valid_bleu": 12.5})
+    run = writer.wandb  # the real offline run
+    assert run.summary["final/valid_bleu"] == 12.5 and run.config["model.emb_dim"] == 32
+    writer.close()
+    wandb.teardown()  # the wandb service writes the run's records out by then
+    log = next((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()  # its records, to sync
+    assert b"train/loss" in log and b"2.5" in log and b"train/note" not in log  # scalars only
+    tables = list((tmp_path / "run" / "wandb").glob("offline-run-*/files/media/table/valid_bleu/samples_10_*.json"))
+    assert len(tables) == 1
+    table = json.loads(tables[0].read_text())
+    assert table["columns"] == ["source", "reference", "translation"] and table["data"] == [["a cat", "un gato",
+                                                                                             "un gato"]]

@@ -115,9 +115,9 @@ def test_a_text_source_is_matched_by_stat_and_an_edit_rebuilds(tmp_path):
 def old_in_memory_cache(directory, tokenizer, pairs):
     """The cache as TokenCache.build wrote it before it streamed: all chunks concatenated, then np.save."""
     os.makedirs(directory)
-    examples = data.tokenize(tokenizer, pairs)
-    for side, sequences, offsets in (("inputs", examples.inputs, "input_offsets"),
-                                     ("targets", examples.targets, "target_offsets")):
+    examples = data.TokenCache.tokenize(tokenizer, pairs)
+    for side, offsets in (("inputs", "input_offsets"), ("targets", "target_offsets")):
+        sequences = [examples[i][side] for i in range(len(examples))]
         tokens = np.concatenate(sequences)
         np.save(os.path.join(directory, f"{side}.npy"), tokens.astype(np.uint16 if tokens.max() < 2**16 else np.int32))
         lengths = np.array([len(x) for x in sequences])

@@ -29,7 +29,8 @@ def run_script(script, *args):
 def trained_workdir(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("run") / "demo"
     overrides = [f"--config.{key}={value}" for key, value in TINY_OVERRIDES.items()]
-    best = ["--config.train.keep_best_checkpoint=true", "--config.train.bleu_every_steps=3"]
+    best = ["--config.train.keep_best_checkpoint=true", "--config.train.bleu_every_steps=3",
+            "--config.train.profile_steps=4-5"]
     result = run_script("train.py", f"--workdir={workdir}", *overrides, *best)
     assert result.returncode == 0, result.stderr[-3000:]
     return workdir, result.stdout
@@ -48,6 +49,35 @@ def test_train_writes_checkpoints_scores_logs_and_prints_bleu(trained_workdir):
     assert os.listdir(workdir / "tensorboard")
     assert json.loads((workdir / "config.json").read_text())["model"]["emb_dim"] == 32
     assert len((workdir / "translations_test_step6.txt").read_text().splitlines()) == 64
+
+
+def tensorboard_events(directory):
+    """Every event in the TensorBoard files under `directory` (TFRecord framing: length, crc, data, crc)."""
+    from tensorboardX.proto import event_pb2
+    events = []
+    for root, _, names in os.walk(directory):
+        for name in sorted(n for n in names if n.startswith("events.")):
+            raw, offset = open(os.path.join(root, name), "rb").read(), 0
+            while offset < len(raw):
+                length = int.from_bytes(raw[offset:offset + 8], "little")
+                events.append(event_pb2.Event.FromString(raw[offset + 12:offset + 12 + length]))
+                offset += 12 + length + 4
+    return events
+
+
+def test_the_run_writes_sample_translations_hparams_and_a_profile(trained_workdir):
+    workdir, stdout = trained_workdir
+    values = [(value.tag, value) for event in tensorboard_events(workdir / "tensorboard") for value in event.summary.value]
+    samples = [value.tensor.string_val[0].decode() for tag, value in values if tag == "valid_bleu/samples/text_summary"]
+    assert len(samples) == 2  # the BLEU evaluations at steps 3 and 6 (the end's are of the final parameters)
+    table = samples[0].splitlines()
+    assert table[0] == "| source | reference | translation |" and len(table) == 2 + trainer.SAMPLE_TRANSLATIONS
+    assert any(tag == "_hparams_/session_start_info" for tag, _ in values)
+    final = {tag: value.simple_value for tag, value in values if tag.startswith("final/")}
+    scores = json.loads((workdir / "scores.json").read_text())
+    assert final == pytest.approx({f"final/{split}_bleu": score["bleu"] for split, score in scores["bleu"].items()})
+    traces = [name for _, _, names in os.walk(workdir / "profile") for name in names if name.endswith(".xplane.pb")]
+    assert len(traces) == 1 and "profiled steps 4-5" in stdout
 
 
 def assert_throughput_is_the_windows_count_over_its_seconds(records, vocab_size):

@@ -372,69 +372,6 @@ def given_tokenizer(vocab_path: str, path: str, process_index: int, local: str |
     return local_tokenizer(path, local)
 
 
-@dataclasses.dataclass
-class Examples:
-    """Tokenized pairs of one split (each ending in EOS)."""
-
-    inputs: list[np.ndarray]
-    targets: list[np.ndarray]
-
-    def __len__(self) -> int:
-        return len(self.inputs)
-
-
-def tokenize(tokenizer: Tokenizer, pairs: list[tuple[str, str]]) -> Examples:
-    return Examples(tokenizer.encode([s for s, _ in pairs]), tokenizer.encode([t for _, t in pairs]))
-
-
-def filter_by_length(examples: Examples, max_length: int) -> tuple[Examples, int]:
-    """Keep pairs whose both sides fit in max_length tokens; returns (kept, number dropped)."""
-    keep = [i for i in range(len(examples))
-            if len(examples.inputs[i]) <= max_length and len(examples.targets[i]) <= max_length]
-    kept = Examples([examples.inputs[i] for i in keep], [examples.targets[i] for i in keep])
-    return kept, len(examples) - len(kept)
-
-
-def pack_rows(examples: Examples, order: np.ndarray, max_length: int) -> list[list[int]]:
-    """Next-fit packing: walk `order`, opening a new row when a pair's source or target would overflow."""
-    rows, row, source_used, target_used = [], [], 0, 0
-    for index in order:
-        source_length, target_length = len(examples.inputs[index]), len(examples.targets[index])
-        if row and (source_used + source_length > max_length or target_used + target_length > max_length):
-            rows.append(row)
-            row, source_used, target_used = [], 0, 0
-        row.append(int(index))
-        source_used += source_length
-        target_used += target_length
-    if row:
-        rows.append(row)
-    return rows
-
-
-def make_batch(examples: Examples, rows: list[list[int]], num_rows: int, max_length: int) -> Batch:
-    """Packed arrays [num_rows, max_length]; rows beyond len(rows) stay empty (all padding)."""
-    batch = {key: np.zeros((num_rows, max_length), np.int32) for key in (
-        "inputs", "targets", "inputs_segmentation", "targets_segmentation", "inputs_position", "targets_position")}
-    for row_index, row in enumerate(rows):
-        for side, sequences in (("inputs", examples.inputs), ("targets", examples.targets)):
-            start = 0
-            for segment, example in enumerate(row, start=1):
-                tokens = sequences[example]
-                end = start + len(tokens)
-                batch[side][row_index, start:end] = tokens
-                batch[f"{side}_segmentation"][row_index, start:end] = segment
-                batch[f"{side}_position"][row_index, start:end] = np.arange(len(tokens))
-                start = end
-    return batch
-
-
-def eval_batches(examples: Examples, *, max_length: int, rows_per_batch: int) -> list[Batch]:
-    """Packed batches of a whole split in order; the last is padded with empty rows to the same shape."""
-    rows = pack_rows(examples, np.arange(len(examples)), max_length)
-    return [make_batch(examples, rows[i:i + rows_per_batch], rows_per_batch, max_length)
-            for i in range(0, len(rows), rows_per_batch)]
-
-
 def bucket_length(length: int, minimum: int = 8) -> int:
     """The next power of two >= length: few distinct shapes, so few decoder compilations."""
     return max(minimum, 1 << (max(length, 1) - 1).bit_length())
@@ -506,12 +443,24 @@ class TokenCache:
     epoch), keeps the training loop free of sentencepiece, and is shared by every process. Picklable for
     grain workers: it pickles as its directory and maps the files again where it is unpickled."""
 
-    def __init__(self, directory: str):
-        self.directory = directory
-        self._arrays = None
+    def __init__(self, directory: str | None, arrays: dict[str, np.ndarray] | None = None):
+        self.directory = directory  # None: held in memory (`tokenize`)
+        self._arrays = arrays
 
     def __getstate__(self):
-        return {"directory": self.directory, "_arrays": None}
+        return {"directory": self.directory, "_arrays": None if self.directory else self._arrays}
+
+    @classmethod
+    def tokenize(cls, tokenizer: Tokenizer, pairs: list[tuple[str, str]]) -> "TokenCache":
+        """A small split (the dev set of the eval loss) tokenized in memory: the same container, packed by the
+        same first_fit and assemble, as the train split's."""
+        arrays = {}
+        for side, offsets, texts in (("inputs", "input_offsets", [s for s, _ in pairs]),
+                                     ("targets", "target_offsets", [t for _, t in pairs])):
+            sequences = tokenizer.encode(texts)
+            arrays[side] = np.concatenate(sequences or [np.zeros(0, np.int32)]).astype(np.int32)
+            arrays[offsets] = np.concatenate([[0], np.cumsum([len(x) for x in sequences], dtype=np.int64)])
+        return cls(None, arrays)
 
     @property
     def arrays(self) -> dict[str, np.ndarray]:
@@ -757,6 +706,15 @@ def assemble(cache: TokenCache, rows: list[list[int]], num_rows: int, max_length
             array[destination] = value
             batch[key] = array.reshape(num_rows, max_length)
     return batch
+
+
+def eval_batches(cache: TokenCache, kept: np.ndarray, *, max_length: int, rows_per_batch: int) -> list[Batch]:
+    """The pairs `kept` of a cache, in order, packed as training packs them; every batch has the same shape
+    (the last is padded with empty rows)."""
+    batches = first_fit(cache.lengths("inputs")[kept], cache.lengths("targets")[kept], rows=rows_per_batch,
+                        max_length=max_length)
+    return [assemble(cache, [[int(kept[p]) for p in row] for row in batch], rows_per_batch, max_length)
+            for batch in batches]
 
 
 class PackChunk:

@@ -278,3 +278,31 @@ class Preemption:
                 return True
             return False
         return self.received is not None
+
+
+class Profile:
+    """train.profile_steps="N-M": a profiler trace of steps N to M (inclusive) in `directory`, which TensorBoard's
+    profile plugin and Perfetto read. The trace stops after step M has finished on the devices: one host sync,
+    only there."""
+
+    def __init__(self, steps: tuple[int, int] | None, directory: str, start_step: int):
+        self.steps, self.directory, self.active = steps, directory, False
+        if steps and steps[0] <= start_step:  # a resumed run past its first step does not trace a partial range
+            self.steps = None
+
+    def before(self, step: int) -> None:
+        if self.steps and step == self.steps[0]:
+            jax.profiler.start_trace(self.directory)
+            self.active = True
+
+    def after(self, step: int, state: Any) -> None:
+        if self.active and step == self.steps[1]:
+            jax.block_until_ready(state)
+            self.stop()
+            log.info("profiled steps %d-%d into %s (tensorboard --logdir=%s, or ui.perfetto.dev)", *self.steps,
+                     self.directory, self.directory)
+
+    def stop(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False

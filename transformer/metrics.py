@@ -4,6 +4,7 @@ TensorBoard, a metrics JSONL and console lines."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -136,18 +137,20 @@ def repair_jsonl(path: str, resume_step: int | None = None) -> None:
 
 
 class MetricWriter:
-    """Writes scalars to TensorBoard (workdir/tensorboard) and appends them as JSON lines (workdir/metrics.jsonl).
+    """The one metrics writer: scalars to TensorBoard (workdir/tensorboard) and as JSON lines
+    (workdir/metrics.jsonl), and to Weights & Biases when a project is named; sample translations as text; the
+    run's hyperparameters with its final scores (TensorBoard's hparams, the W&B summary).
 
     Object storage has no append: a workdir there gets both files written in its local mirror
-    (workdir.local_directory) and copied up, metrics.jsonl at every write and TensorBoard's events at most
+    (files.local_directory) and copied up, metrics.jsonl at every write and TensorBoard's events at most
     every `publish_seconds` and at close."""
 
     def __init__(self, workdir: str, enabled: bool = True, resume_step: int | None = None, *, local_root: str = "",
-                 publish_seconds: float = 60.0):
+                 publish_seconds: float = 60.0, wandb_project: str = "", hparams: dict[str, Any] | None = None):
         """With resume_step, drop the JSONL records a stopped run wrote after that step (the checkpoint it
         resumes from), so that each step appears once. Lines a kill left unreadable (a torn last line, junk)
         are dropped with one warning, so that new records are not appended to a partial line."""
-        self.enabled = enabled
+        self.enabled, self.wandb = enabled, None
         if not enabled:
             return
         from tensorboardX import SummaryWriter  # imported here: slow, and only the writing process needs it
@@ -162,6 +165,9 @@ class MetricWriter:
         os.makedirs(self.local, exist_ok=True)
         self.tensorboard = SummaryWriter(os.path.join(self.local, "tensorboard"))
         self.jsonl = open(path, "a", encoding="utf-8")
+        self.hparams = hparams or {}
+        if wandb_project:
+            self.wandb = start_wandb(wandb_project, workdir, self.local, self.hparams)
 
     def write(self, step: int, scalars: dict[str, float], prefix: str) -> None:
         if not self.enabled:
@@ -171,7 +177,32 @@ class MetricWriter:
                 self.tensorboard.add_scalar(f"{prefix}/{key}", value, step)
         self.jsonl.write(json.dumps({"step": step, "split": prefix, "time": time.time(), **scalars}) + "\n")
         self.jsonl.flush()
+        if self.wandb is not None:
+            self.wandb.log({f"{prefix}/{key}": value for key, value in scalars.items()
+                            if isinstance(value, (int, float))}, step=step)
         self.publish(tensorboard=time.monotonic() - self.published > self.publish_seconds)
+
+    def write_samples(self, step: int, name: str, rows: list[tuple[str, str, str]]) -> None:
+        """A few (source, reference, translation) triples of a BLEU evaluation, as a text table."""
+        if not self.enabled or not rows:
+            return
+        table = "| source | reference | translation |\n|---|---|---|\n" + "".join(
+            "| " + " | ".join(text.replace("|", "\\|").replace("\n", " ") for text in row) + " |\n" for row in rows)
+        self.tensorboard.add_text(f"{name}/samples", table, step)
+        if self.wandb is not None:
+            import wandb
+            self.wandb.log({f"{name}/samples": wandb.Table(columns=["source", "reference", "translation"],
+                                                           data=[list(row) for row in rows])}, step=step)
+
+    def write_final(self, scores: dict[str, float]) -> None:
+        """The run's hyperparameters beside its final scores: TensorBoard's hparams view, the W&B summary."""
+        if not self.enabled:
+            return
+        shown = {key: value if isinstance(value, (int, float, str, bool)) else str(value)
+                 for key, value in self.hparams.items()}
+        self.tensorboard.add_hparams(shown, {f"final/{key}": value for key, value in scores.items()}, name="hparams")
+        if self.wandb is not None:
+            self.wandb.summary.update({f"final/{key}": value for key, value in scores.items()})
 
     def publish(self, tensorboard: bool) -> None:
         """Copy the mirror's files up to a workdir on object storage (nothing to do for a local one)."""
@@ -186,10 +217,25 @@ class MetricWriter:
             self.published = time.monotonic()
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and not self.jsonl.closed:
             self.tensorboard.close()
             self.jsonl.close()
             self.publish(tensorboard=True)
+            if self.wandb is not None:
+                self.wandb.finish()
+
+
+def start_wandb(project: str, workdir: str, local: str, hparams: dict[str, Any]):
+    """A W&B run named after the workdir; its id is the workdir's, so a resumed run goes on logging into it."""
+    try:
+        import wandb
+    except ImportError as error:
+        from transformer.errors import ConfigError
+        raise ConfigError(f"train.wandb_project={project!r} needs Weights & Biases: pip install -e '.[wandb]'") \
+            from error
+    run_id = hashlib.sha256(files.absolute(workdir).encode()).hexdigest()[:16]
+    return wandb.init(project=project, name=os.path.basename(os.path.normpath(workdir)), id=run_id, resume="allow",
+                      dir=local, config=hparams)
 
 
 class Progress:

@@ -35,6 +35,7 @@ BEST_CHECKPOINT_DIR = "best_checkpoint"
 PARAMS_DIR = "params"  # params snapshots of the last decode.average_last checkpoints, for averaging
 RUN_FILE = "run.json"  # the batch shape a run trains on, and each start's provenance
 REPORTS_FILE = "reports.json"  # the train.report_minutes scores, by mark, written at each mark
+SAMPLE_TRANSLATIONS = 4  # (source, reference, translation) triples written as text at each BLEU evaluation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,8 @@ class TrainConfig:
     compilation_cache_dir: str = ""  # JAX's persistent compilation cache ("": workdir/compilation_cache; "none": off)
     nonfinite: str = "stop"  # a step with a non-finite loss or gradient norm: "stop" the run, or "skip" its update
     debug_nans: bool = False  # run with jax_debug_nans, which names the operation that first made a NaN (slow)
+    wandb_project: str = ""  # also log to this Weights & Biases project (the wandb extra)
+    profile_steps: str = ""  # "N-M": a profiler trace of steps N to M in workdir/profile
 
     def __post_init__(self):
         if self.num_microbatches < 1:
@@ -75,6 +78,17 @@ class TrainConfig:
         self.report_marks  # validates the list now
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"train.label_smoothing={self.label_smoothing} must be in [0, 1)")
+        self.profile_range  # validates it now
+
+    @property
+    def profile_range(self) -> tuple[int, int] | None:
+        """train.profile_steps as (first, last) step, or None."""
+        if not self.profile_steps:
+            return None
+        first, dash, last = self.profile_steps.partition("-")
+        if not (dash and first.strip().isdigit() and last.strip().isdigit() and 0 < int(first) <= int(last)):
+            raise ValueError(f"train.profile_steps={self.profile_steps!r} must be 'N-M' with 0 < N <= M, e.g. '100-110'")
+        return int(first), int(last)
 
     @property
     def report_marks(self) -> list[float]:
@@ -295,7 +309,8 @@ def make_plan(settings: Settings, vocab_size: int, mesh, batch: BatchShape) -> P
 class Corpus:
     tokenizer: Tokenizer
     pairs: dict[str, list[tuple[str, str]]]  # split -> raw (source, target) sentences, read on first use
-    examples: dict[str, data.Examples]  # valid -> tokenized, length-filtered for the eval loss
+    valid: data.TokenCache  # the dev set, tokenized, for the eval loss
+    valid_kept: np.ndarray  # indices into valid of the pairs within max_length
     train_cache: data.TokenCache  # the tokenized train split
     train_kept: np.ndarray  # indices into train_cache of the pairs within max_length
     train_source: Any = None  # the train split's fingerprint (what its token cache was built from)
@@ -332,17 +347,13 @@ def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
              settings.data.max_length)
     if not len(length_filter.kept):
         raise data.DataError(f"every train pair is longer than data.max_length={settings.data.max_length} tokens")
-    examples = {}
-    for split in ("valid",):
-        if split in pairs:
-            examples[split], dropped = data.filter_by_length(data.tokenize(tokenizer, pairs[split]),
-                                                             settings.data.max_length)
-            log.info("%s loss: %d pairs, %d longer than %d tokens left out (BLEU decodes them all)", split,
-                     len(examples[split]), dropped, settings.data.max_length)
-            if not examples[split]:
-                raise data.DataError(f"every {split} pair is longer than data.max_length="
-                                     f"{settings.data.max_length} tokens")
-    return Corpus(tokenizer, pairs, examples, cache, length_filter.kept, source)
+    valid = data.TokenCache.tokenize(tokenizer, pairs["valid"])
+    valid_filter = data.LengthFilter.of(valid, settings.data.max_length)
+    log.info("valid loss: %d pairs, %d longer than %d tokens left out (BLEU decodes them all)", len(valid_filter.kept),
+             valid_filter.too_long, settings.data.max_length)
+    if not len(valid_filter.kept):
+        raise data.DataError(f"every valid pair is longer than data.max_length={settings.data.max_length} tokens")
+    return Corpus(tokenizer, pairs, valid, valid_filter.kept, cache, length_filter.kept, source)
 
 
 def place_batch(local_batch: dict[str, np.ndarray], batch_sharding) -> dict[str, jax.Array]:
@@ -499,7 +510,7 @@ class Run:
         return self.settings.decode.search_fn(self.graphdef, self.settings.seed)
 
     def evaluate_loss(self, evaluate) -> dict[str, float]:
-        batches = data.eval_batches(self.corpus.examples["valid"], max_length=self.settings.data.max_length,
+        batches = data.eval_batches(self.corpus.valid, self.corpus.valid_kept, max_length=self.settings.data.max_length,
                                     rows_per_batch=self.batch.rows)
         outputs = [evaluate(self.state.params, sharding.place_batch(batch, self.batch_sharding)) for batch in batches]
         summary = summarize(jax.device_get(outputs))
@@ -521,6 +532,7 @@ class Run:
             hypotheses = decoded.translations(self.corpus.tokenizer)
             scores[split] = metrics.bleu(hypotheses, list(references), target_lang=self.settings.data.target_lang)
             scores[split]["inputs_cut"] = decoded.cut
+            scores[split]["samples"] = list(zip(sources, references, hypotheses))[:SAMPLE_TRANSLATIONS]
             scores[split]["decode_seconds"] = time.perf_counter() - start
             if self.is_writer:
                 step = int(self.state.step)
@@ -545,7 +557,9 @@ class Run:
                     waited = time.perf_counter()
                     batch, data_state = next(batches)
                     self.window.input_seconds += time.perf_counter() - waited
+                    self.profile.before(step)
                     self.state, step_metrics = train(self.state, batch)
+                    self.profile.after(step, self.state)
                     self.window.add(step_metrics)
                     preempted = preemption.reached(step)
                     if preempted or self.sync_due(step, final_step):
@@ -570,6 +584,7 @@ class Run:
             self.close()  # the saves already begun are committed; the workdir is free for the next start
             raise
         finally:
+            self.profile.stop()
             if hasattr(iterator, "close"):
                 iterator.close()  # stops grain's worker processes, on an error or a signal too
         if stop is None and preemption.received and not preemption.service:
@@ -593,7 +608,9 @@ class Run:
         """The loop's periodic actions and their state, for a part of the run starting after `start_step`."""
         config = self.settings.train
         self.writer = metrics.MetricWriter(self.workdir, enabled=self.is_writer, resume_step=start_step,
-                                           local_root=self.settings.data.local_cache_dir)
+                                           local_root=self.settings.data.local_cache_dir,
+                                           wandb_project=config.wandb_project, hparams=flatten(self.config))
+        self.profile = loop.Profile(config.profile_range, os.path.join(self.workdir, "profile"), start_step)
         self.progress = metrics.Progress(config.num_train_steps, start_step)
         self.search = self.search_fn()
         self.peak_flops = throughput.device_peak_flops(dtype=self.model_config.dtype)
@@ -691,6 +708,7 @@ class Run:
             result["reports"] = self.marks.reports
             self._write_reports(self.marks.reports)
         self.close_checkpointers()
+        self.writer.write_final({f"{split}_bleu": score["bleu"] for split, score in result["bleu"].items()})
         self.writer.close()
         if self.is_writer:
             files.write_json(os.path.join(self.workdir, "scores.json"), result)
@@ -793,6 +811,7 @@ class Run:
             self.writer.write(step, {"bleu": score["bleu"], "decode_seconds": score["decode_seconds"],
                                      "train_seconds": self.train_seconds, "inputs_cut": score["inputs_cut"]},
                               f"{prefix}{split}_bleu")
+            self.writer.write_samples(step, f"{prefix}{split}_bleu", score.pop("samples"))
             self.progress.write(f"step {step}: {prefix}{split} BLEU {score['bleu']:.2f} ({score['signature']}), "
                            f"decoded in {score['decode_seconds']:.1f}s")
         return scores
@@ -809,7 +828,8 @@ RESUMABLE_CHANGES = ("train.num_train_steps", "train.log_every_steps", "train.ev
                      "train.keep_best_checkpoint", "train.max_train_minutes", "train.report_minutes",
                      "train.dropout_rng",  # the masks change from the resumed step on, as with num_microbatches
                      "train.checkpoint_every_minutes", "train.compilation_cache_dir", "train.nonfinite",
-                     "train.debug_nans", "data.local_cache_dir")
+                     "train.debug_nans", "data.local_cache_dir",
+                     "train.wandb_project", "train.profile_steps")
 # Keys a workdir's config.json may lack, with the value such a run actually used where it differs from today's
 # default (field_default): dropout masks came from threefry before train.dropout_rng existed.
 LEGACY_DEFAULTS = {"train.dropout_rng": "threefry2x32"}
@@ -954,19 +974,21 @@ def field_default(key: str) -> Any:
     return None
 
 
+def flatten(tree, prefix: str = "") -> dict[str, Any]:
+    """A config as {"section.key": value} (tuples as lists, as config.json holds them)."""
+    items = {}
+    for key, value in tree.items():
+        if isinstance(value, (dict, ml_collections.ConfigDict)):
+            items.update(flatten(value, f"{prefix}{key}."))
+        else:
+            items[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return items
+
+
 def check_resume_config(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict) -> list[str]:
     """A resumed run must be the same run: refuse changes to the model, data, optimizer or seed. Returns the
     changes it allows (RESUMABLE_CHANGES) as "key: old -> new", for the log."""
-    def flat(tree, prefix=""):
-        items = {}
-        for key, value in tree.items():
-            if isinstance(value, (dict, ml_collections.ConfigDict)):
-                items.update(flat(value, f"{prefix}{key}."))
-            else:
-                items[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
-        return items
-
-    old, new = flat(saved), flat(config)
+    old, new = flatten(saved), flatten(config)
     for key in set(new) - set(old):  # a key added since the workdir was made: the run had its default
         old[key] = LEGACY_DEFAULTS.get(key, field_default(key))
     if new.get("data.vocab_path"):  # the file decides the size (saved_config), and its identity is checked apart
