@@ -1,8 +1,8 @@
 """How fast the training input pipeline delivers packed batches, and how much of them is padding.
 
-    PYTHONPATH=. python scripts/benchmark_input.py --text_dir=../shared/data/europarl-20k --workdir=/tmp/bench
+    PYTHONPATH=. python scripts/benchmark_input.py --text_dir=$DATA/europarl-20k --workdir=$SCRATCH/bench
 
-Reads a line-aligned corpus (default: the 20k-pair Europarl v7 sample of WMT14 en-de training data), trains a
+Reads a line-aligned corpus (e.g. a 20k-pair Europarl v7 sample of WMT14 en-de training data), trains a
 sentencepiece vocabulary (once, in --workdir), tokenizes it into the token cache (timed, with each worker
 count), then draws --num_batches packed batches of the base config's shape (rows of --max_length,
 --tokens_per_batch per step) with each worker count. Per core = tokens / CPU seconds of the process and its
@@ -26,11 +26,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from transformer import data, sources  # noqa: E402
 
-flags.DEFINE_string("text_dir", "../shared/data/europarl-20k", "Folder of the corpus.")
+flags.DEFINE_string("text_dir", None, "Folder of the corpus.", required=True)
 flags.DEFINE_string("prefix", "europarl-v7-first20k", "File prefix: <prefix>.<lang> in --text_dir.")
 flags.DEFINE_string("source_lang", "en", "Source language.")
 flags.DEFINE_string("target_lang", "de", "Target language.")
-flags.DEFINE_string("workdir", "/tmp/benchmark_input", "Where the vocabulary and token cache go.")
+flags.DEFINE_string("workdir", None, "Where the vocabulary and token cache go.", required=True)
 flags.DEFINE_integer("vocab_size", 8000, "Sentencepiece vocabulary size.")
 flags.DEFINE_integer("max_length", 256, "Tokens per packed row (base.py: 256).")
 flags.DEFINE_integer("tokens_per_batch", 25_600, "Token budget per step (base.py: 25600 = 100 rows).")

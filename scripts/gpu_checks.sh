@@ -1,5 +1,5 @@
 #!/bin/bash
-# The GPU checks of issues 5 and 4 as one prepared script, sized for one call of the device tool's H200
+# The GPU checks as one prepared script, sized for one call of the device tool's H200
 # (about 8 minutes with compilation; every step has its own time limit, and all of them end by
 # GPU_CHECKS_SECONDS, 540 by default, inside the tool's 600 s per command):
 #   1. the imports, and the attention implementations agree on the GPU (cudnn flash attention against the

@@ -1,4 +1,4 @@
-"""scripts/gpu_checks.sh, the prepared GPU checks of issues 4 and 5, runs end to end at toy sizes on any machine
+"""scripts/gpu_checks.sh, the prepared GPU checks, runs end to end at toy sizes on any machine
 (GPU_CHECKS_SMOKE=1): its flags, configs and output stay in step with scripts/benchmark.py. Slow: about a minute."""
 
 import json

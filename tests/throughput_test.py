@@ -15,7 +15,7 @@ from transformer import throughput, trainer
 from transformer.model import ModelConfig, Transformer
 from transformer.steps import attention_pairs
 
-SHAPES = {  # issue 5's two benchmark shapes: config, batch rows, source length, target length
+SHAPES = {  # the two benchmark shapes: config, batch rows, source length, target length
     "small": (ModelConfig(vocab_size=8000, emb_dim=256, num_heads=4, num_encoder_layers=3, num_decoder_layers=3,
                           mlp_dim=1024), 64, 32, 32),
     "base": (ModelConfig(vocab_size=32000), 32, 32, 32),
@@ -23,7 +23,7 @@ SHAPES = {  # issue 5's two benchmark shapes: config, batch rows, source length,
 
 
 def flops_from_the_parameters(config: ModelConfig, rows: int, source_length: int, target_length: int) -> float:
-    """Issue 5's count, with the matmul parameters read off a real model rather than written out: 6 x (each
+    """The peer reference's count, with the matmul parameters read off a real model rather than written out: 6 x (each
     kernel's size x the tokens it sees: the encoder's and the cross-attention's keys and values see the source)
     + 12 x d_model x rows x layers x (S^2 + T^2 + T S) + 6 x vocab x d_model x rows x T."""
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
@@ -36,7 +36,7 @@ def flops_from_the_parameters(config: ModelConfig, rows: int, source_length: int
         on_source = names[0] == "encoder_layers" or ("cross_attention" in names and
                                                      ("key" in names or "value" in names))
         dense += 6 * int(np.prod(leaf.shape)) * rows * (source_length if on_source else target_length)
-    assert config.num_encoder_layers == config.num_decoder_layers  # the issue's formula has one layer count
+    assert config.num_encoder_layers == config.num_decoder_layers  # the peer's formula has one layer count
     attention = (12 * config.emb_dim * rows * config.num_encoder_layers
                  * (source_length**2 + target_length**2 + target_length * source_length))
     output = 6 * config.vocab_size * config.emb_dim * rows * target_length

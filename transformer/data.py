@@ -818,9 +818,8 @@ def train_dataset(cache: TokenCache, kept: np.ndarray, *, seed: int, max_length:
     """Endless packed batches [rows_per_batch / shard.count, max_length] of this process's shard.
 
     grain gives the random access by chunk, the worker processes and the checkpointable state. Packing is
-    ours (`first_fit`, `assemble`): grain's FirstFitPackIterDataset spends ~270 us of Python per pair
-    (measured on the built-in corpus), over the budget of 200k target tokens/s per core, while packing on
-    the cached lengths and gathering with numpy costs a few microseconds per pair."""
+    ours (`first_fit`, `assemble`): grain's FirstFitPackIterDataset spends a hundred times more Python per pair
+    than packing on the cached lengths and gathering with numpy (docs/benchmarks.md)."""
     if len(kept) == 0:
         raise DataError("no training pairs left after length filtering; raise data.max_length")
     mean_length = float(np.maximum(cache.lengths("inputs")[kept], cache.lengths("targets")[kept]).mean())

@@ -56,7 +56,7 @@ def target_logit_of(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 def _smoothed_cross_entropy(logits, target_logit, label_smoothing, log_normalizer):
     # -sum_k soft_k (logit_k - lse) = lse - (conf - low) logit_target - low sum_k logit_k, since sum_k soft_k = 1:
-    # a gather and a sum instead of a [tokens, vocab] one-hot and a second log-softmax (a measured CPU win).
+    # a gather and a sum instead of a [tokens, vocab] one-hot and a second log-softmax.
     vocab_size = logits.shape[-1]
     confidence = 1.0 - label_smoothing
     low = label_smoothing / (vocab_size - 1)
@@ -68,7 +68,7 @@ def _smoothed_cross_entropy(logits, target_logit, label_smoothing, log_normalize
 def token_metrics(logits: jax.Array, batch: dict[str, jax.Array], label_smoothing: float) -> dict[str, jax.Array]:
     """Sums over non-padding target tokens: smoothed loss, plain negative log-likelihood, correct (the target's
     logit is the largest: argmax's answer but for exact ties, without argmax's index reduction over
-    [tokens, vocab], 18 ms of the 1.4 s 'small' CPU step, docs/benchmarks.md)."""
+    [tokens, vocab])."""
     targets = batch["targets"]
     weights = (targets != 0).astype(jnp.float32)
     log_normalizer = jax.nn.logsumexp(logits, axis=-1)

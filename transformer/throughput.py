@@ -1,7 +1,7 @@
 """Model FLOPs (analytic) and peak FLOP/s of the devices, for the model-FLOPs utilization (MFU) in the logs
 and in scripts/benchmark.py.
 
-The count is the one of /work/shared/peers/bench_common.model_flops_per_step, so our MFU and the peers'
+The count is the one of the peer reference's model_flops_per_step, so our MFU and the peers'
 mean the same thing. For one training step (backward = 2 x forward, hence the factors 6 and 12):
 
   dense     = 6 x (matmul parameters x the tokens they see)
