@@ -12,7 +12,7 @@ from transformer import sweep
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = ml_collections.ConfigDict()
+    config = ml_collections.ConfigDict()  # the one schema of defaults: transformer/'s dataclasses take theirs from here
     config.seed = 0  # one seed for parameters, dropout (fold_in(seed, step)) and data order
 
     config.data = data = ml_collections.ConfigDict()
@@ -101,7 +101,8 @@ def get_config() -> ml_collections.ConfigDict:
     mesh.data = -1  # data parallelism (parameters replicated)
     mesh.fsdp = 1  # fully sharded data parallelism (parameters and optimizer state split along `embed`)
     mesh.tensor = 1  # tensor parallelism (`mlp`, `heads`, `vocab` split)
-    mesh.rules = "batch=data+fsdp, embed=fsdp, mlp=tensor, heads=tensor, vocab=tensor"
+    # logical axis -> mesh axes; `layers` (model.scan_layers' stacked axis) stays whole: a scan reads every layer
+    mesh.rules = "batch=data+fsdp, embed=fsdp, mlp=tensor, heads=tensor, vocab=tensor, layers=none"
 
     config.decode = decode = ml_collections.ConfigDict()
     decode.batch_size = 256  # sentences per decoding batch

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from transformer import corpus, sources
+from transformer import config_files, corpus, sources
 from transformer.sources import DataError
 from transformer.tokenizer import Tokenizer, train_tokenizer
 from transformer import files
@@ -43,32 +43,32 @@ SPLITS = ("train", "valid", "test")
 Batch = dict[str, np.ndarray]
 
 
-@dataclasses.dataclass(frozen=True)
+@config_files.section("data")
 class DataConfig:
     """Built from `config.data`; see configs/default.py for each field's meaning."""
 
-    source: str = "builtin"
-    source_lang: str = "en"
-    target_lang: str = "es"
-    builtin_seed: int = 0
-    builtin_train_size: int = 100_000
-    builtin_valid_size: int = 1_000
-    builtin_test_size: int = 1_000
-    text_dir: str = ""
-    tfds_name: str = ""
-    tfds_data_dir: str = ""
-    train_split: str = "train"
-    valid_split: str = "valid"
-    test_split: str = "test"
-    vocab_path: str = ""
-    vocab_size: int = 8000
-    vocab_character_coverage: float = 1.0
-    vocab_max_sentences: int = 1_000_000
-    vocab_max_characters: int = 0
-    max_length: int = 64
-    tokens_per_batch: int = 4096
-    num_workers: int = 0
-    local_cache_dir: str = ""
+    source: str
+    source_lang: str
+    target_lang: str
+    builtin_seed: int
+    builtin_train_size: int
+    builtin_valid_size: int
+    builtin_test_size: int
+    text_dir: str
+    tfds_name: str
+    tfds_data_dir: str
+    train_split: str
+    valid_split: str
+    test_split: str
+    vocab_path: str
+    vocab_size: int
+    vocab_character_coverage: float
+    vocab_max_sentences: int
+    vocab_max_characters: int
+    max_length: int
+    tokens_per_batch: int
+    num_workers: int
+    local_cache_dir: str
 
     def __post_init__(self):
         if self.source not in SOURCES:

@@ -10,23 +10,21 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from transformer import config_files
+
 DECAYS = ("rsqrt", "constant")  # OptimizerConfig.decay: what the learning rate does after the warmup
 
 
-@dataclasses.dataclass(frozen=True)
+@config_files.section("optimizer")
 class OptimizerConfig:
-    learning_rate_scale: float = 1.0  # multiplies the paper's d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
-    warmup_steps: int = 4000
-    # After the warmup: "rsqrt", the paper's step^-0.5 decay; or "constant", held at the warmup's peak (with a
-    # cooldown_fraction, a warmup-stable-decay schedule, for short budgets where rsqrt decays too early).
-    decay: str = "rsqrt"
-    adam_b1: float = 0.9
-    adam_b2: float = 0.98
-    adam_eps: float = 1e-9
-    grad_clip_norm: float = 0.0  # clip by global norm when > 0 (the paper does not clip)
-    # The last fraction of the run (of train.num_train_steps, or of train.max_train_minutes when that begins
-    # first) decays the learning rate linearly toward 0; 0: the paper's schedule to the end.
-    cooldown_fraction: float = 0.0
+    learning_rate_scale: float
+    warmup_steps: int
+    decay: str
+    adam_b1: float
+    adam_b2: float
+    adam_eps: float
+    grad_clip_norm: float
+    cooldown_fraction: float
 
     def __post_init__(self):
         if not 0.0 <= self.cooldown_fraction < 1.0:

@@ -22,6 +22,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from transformer import config_files
+
 PyTree = Any
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -29,17 +31,14 @@ BATCH_AXES = ("data", "fsdp")
 # `layers`, the leading axis of scanned layer stacks (model.scan_layers), stays whole: a scan step reads one
 # layer, so a split layer axis would gather each layer across devices at every step.
 LAYER_AXIS = "layers"
-DEFAULT_RULES = "batch=data+fsdp, embed=fsdp, mlp=tensor, heads=tensor, vocab=tensor, layers=none"
-
-
-@dataclasses.dataclass(frozen=True)
+@config_files.section("mesh")
 class MeshConfig:
     """config.mesh: the size of each mesh axis (one may be -1: all remaining devices) and the rules table."""
 
-    data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
-    rules: str = DEFAULT_RULES
+    data: int
+    fsdp: int
+    tensor: int
+    rules: str
 
     def __post_init__(self):
         sizes = self.sizes

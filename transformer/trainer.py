@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from transformer import checkpoint, data, decode, errors, files, loop, metrics, sharding, throughput
+from transformer import checkpoint, config_files, data, decode, errors, files, loop, metrics, sharding, throughput
 from transformer import workdir as workdirs
 from transformer.metrics import log
 from transformer.checkpoint import Checkpointer, abstract_like
@@ -38,27 +38,27 @@ REPORTS_FILE = "reports.json"  # the train.report_minutes scores, by mark, writt
 SAMPLE_TRANSLATIONS = 4  # (source, reference, translation) triples written as text at each BLEU evaluation
 
 
-@dataclasses.dataclass(frozen=True)
+@config_files.section("train")
 class TrainConfig:
-    num_train_steps: int = 2000
-    label_smoothing: float = 0.1
-    log_every_steps: int = 50
-    eval_every_steps: int = 500
-    bleu_every_steps: int = 0
-    checkpoint_every_steps: int = 500
-    keep_checkpoints: int = 3
-    async_checkpointing: bool = True
-    num_microbatches: int = 1
-    dropout_rng: str = "counter_hash"
-    keep_best_checkpoint: bool = False  # also keep the checkpoint of the best dev (valid) BLEU in workdir/best_checkpoint
-    max_train_minutes: float = 0.0  # stop once this much training time is spent (0: no budget)
-    report_minutes: str = ""  # e.g. "20": at these training minutes also average, decode and score, then go on
-    checkpoint_every_minutes: float = 0.0  # also save at the first log step this many training minutes after the last
-    compilation_cache_dir: str = ""  # JAX's persistent compilation cache ("": workdir/compilation_cache; "none": off)
-    nonfinite: str = "stop"  # a step with a non-finite loss or gradient norm: "stop" the run, or "skip" its update
-    debug_nans: bool = False  # run with jax_debug_nans, which names the operation that first made a NaN (slow)
-    wandb_project: str = ""  # also log to this Weights & Biases project (the wandb extra)
-    profile_steps: str = ""  # "N-M": a profiler trace of steps N to M in workdir/profile
+    num_train_steps: int
+    label_smoothing: float
+    log_every_steps: int
+    eval_every_steps: int
+    bleu_every_steps: int
+    checkpoint_every_steps: int
+    keep_checkpoints: int
+    async_checkpointing: bool
+    num_microbatches: int
+    dropout_rng: str
+    keep_best_checkpoint: bool
+    max_train_minutes: float
+    report_minutes: str
+    checkpoint_every_minutes: float
+    compilation_cache_dir: str
+    nonfinite: str
+    debug_nans: bool
+    wandb_project: str
+    profile_steps: str
 
     def __post_init__(self):
         if self.num_microbatches < 1:
@@ -105,7 +105,7 @@ class TrainConfig:
         return marks
 
 
-# The config's sections and the dataclass each is read into (Settings.from_config; field_default).
+# The config's sections and the dataclass each is read into (Settings.from_config).
 SECTIONS = {"data": data.DataConfig, "model": ModelConfig, "optimizer": OptimizerConfig, "train": TrainConfig,
             "decode": decode.DecodeConfig, "mesh": sharding.MeshConfig}
 
@@ -966,12 +966,11 @@ def previous_train_seconds(workdir: str, start_step: int) -> float:
 
 
 def field_default(key: str) -> Any:
-    """The dataclass default of a dotted config key (e.g. "optimizer.cooldown_fraction"), or None."""
+    """The default of a dotted config key (e.g. "optimizer.cooldown_fraction"): configs/default.py's, or None."""
     section, _, name = key.partition(".")
-    for field in dataclasses.fields(SECTIONS[section]) if section in SECTIONS else ():
-        if field.name == name and field.default is not dataclasses.MISSING:
-            return field.default
-    return None
+    values = config_files.default_values()
+    value = values.get(section, {}).get(name) if name else values.get(section)
+    return list(value) if isinstance(value, tuple) else value
 
 
 def flatten(tree, prefix: str = "") -> dict[str, Any]:
