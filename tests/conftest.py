@@ -39,3 +39,19 @@ def warnings(caplog):
     logger.addHandler(caplog.handler)
     yield caplog
     logger.removeHandler(caplog.handler)
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """split -> how many pairs the built-in generator has yielded of it (the real generator, counted): a test
+    of what a start reads."""
+    from transformer import corpus
+    counts = {}
+    generate = corpus.iter_builtin_split
+
+    def counted(split, **kwargs):
+        for pair in generate(split, **kwargs):
+            counts[split] = counts.get(split, 0) + 1
+            yield pair
+    monkeypatch.setattr(corpus, "iter_builtin_split", counted)
+    return counts

@@ -68,20 +68,6 @@ def test_a_local_workdir_is_its_own_local_directory_and_a_url_gets_a_mirror(tmp_
     assert files.absolute("gs://bucket/x") == "gs://bucket/x" and files.absolute("x") == os.path.abspath("x")
 
 
-@pytest.fixture
-def drawn(monkeypatch):
-    """split -> how many pairs the built-in generator has yielded (the real generator, counted)."""
-    counts = {}
-    generate = corpus.iter_builtin_split
-
-    def counted(split, **kwargs):
-        for pair in generate(split, **kwargs):
-            counts[split] = counts.get(split, 0) + 1
-            yield pair
-    monkeypatch.setattr(corpus, "iter_builtin_split", counted)
-    return counts
-
-
 def settings_with_cache(directory) -> trainer.Settings:
     config = make_tiny_config()
     config.data.local_cache_dir = str(directory)

@@ -1,7 +1,10 @@
-"""Sweeps: definition helpers and names, validation before launch, the base.py grid's invalid points, SLURM
-emit, device slots, collect, and a real 2-point sweep through scripts/sweep.py where one point fails."""
+"""Sweeps: definition helpers and names, validation before launch (every shipped sweep; the base.py grid's
+invalid points), SLURM emit, device slots, collect, and a real 2-point sweep through scripts/sweep.py where one
+point fails."""
 
 import csv
+import glob
+import importlib
 import importlib.util
 import json
 import os
@@ -90,48 +93,66 @@ def test_unknown_keys_and_wrong_types_fail_the_whole_sweep_naming_each_run_and_k
     assert point.config.train.label_smoothing == 0.0 and point.config.model.layer_norm == "pre" and not point.problem
 
 
-def test_base_grid_has_exactly_four_invalid_points():
+def test_a_grid_point_is_invalid_exactly_where_its_heads_do_not_divide_its_width():
     points = sweep.make_points(BASE, sweep.load_sweep(BASE))
-    assert len(points) == 18
     invalid = {p.name: p.problem for p in points if p.problem}
-    assert invalid == {f"num_heads=12,emb_dim={d},mlp_dim={4 * d},dropout_rate={p}":
-                       f"model config: num_heads=12 must divide emb_dim={d}"
-                       for d in (512, 1024) for p in (0.1, 0.2)}
-    with pytest.raises(sweep.SweepError, match=r"4 of 18 points are invalid; nothing was launched") as error:
+    expected = {p.name: f"model config: num_heads={p.config.model.num_heads} must divide "
+                        f"emb_dim={p.config.model.emb_dim}"
+                for p in points if p.config.model.emb_dim % p.config.model.num_heads}
+    assert invalid == expected and 0 < len(invalid) < len(points)  # both kinds, so the check means something
+    with pytest.raises(sweep.SweepError, match=rf"{len(invalid)} of {len(points)} points are invalid; nothing was "
+                                               "launched") as error:
         sweep.refuse_invalid(points, skip_invalid=False)
     assert all(name in str(error.value) for name in invalid)
     valid = sweep.refuse_invalid(points, skip_invalid=True)
-    assert len(valid) == 14 and {(p.config.model.num_heads, p.config.model.emb_dim) for p in valid} == {
-        (8, 512), (8, 768), (8, 1024), (12, 768), (16, 512), (16, 768), (16, 1024)}
+    assert [p.name for p in valid] == [p.name for p in points if p.name not in invalid]
 
 
-def test_the_example_sweep_is_eight_valid_points_with_the_shared_settings():
-    points = sweep.make_points(DEFAULT, sweep.load_sweep(DEFAULT))
-    assert len(points) == 8 and not any(p.problem for p in points)
-    assert {p.num_train_steps for p in points} == {400}
-    assert points[0].name == "warmup_steps=100,dropout_rate=0,label_smoothing=0"
+SHIPPED_SWEEPS = sorted(path for path in glob.glob(os.path.join(ROOT, "configs", "[!_]*.py"))
+                        if hasattr(importlib.import_module(f"configs.{os.path.basename(path)[:-3]}"), "get_sweep"))
+
+
+@pytest.mark.parametrize("config_file", SHIPPED_SWEEPS, ids=os.path.basename)
+def test_every_shipped_sweep_resolves_with_each_points_overrides(config_file):
+    """A get_sweep() beside get_config() names only keys the config has, with their types (make_points raises
+    otherwise), and each point's config holds its overrides; the example sweep of default.py runs as the docs show
+    it, without --skip_invalid."""
+    overrides = sweep.load_sweep(config_file)
+    points = sweep.make_points(config_file, overrides)
+    assert [p.name for p in points] == sweep.run_names(overrides) and len(points) > 1
+    for point in points:
+        for key, value in point.overrides.items():
+            node = point.config
+            for part in key.split("."):
+                node = node[part]
+            assert node == value, (point.name, key)
+    if config_file == DEFAULT:
+        assert not any(p.problem for p in points)
 
 
 def test_base_grid_is_refused_without_skip_invalid_and_emitted_for_slurm_with_it(tmp_path):
+    points = sweep.make_points(BASE, sweep.load_sweep(BASE))
+    invalid, valid = [p for p in points if p.problem], [p for p in points if not p.problem]
     result = run_sweep_script(f"--config={BASE}", f"--sweep_dir={tmp_path / 'grid'}", "--parallel=4")
     assert result.returncode == 2
-    assert "4 of 18 points are invalid; nothing was launched" in result.stderr
-    assert "num_heads=12,emb_dim=1024,mlp_dim=4096,dropout_rate=0.2: model config" in result.stderr
+    assert f"{len(invalid)} of {len(points)} points are invalid; nothing was launched" in result.stderr
+    assert all(f"{p.name}: model config" in result.stderr for p in invalid)
     assert not (tmp_path / "grid").exists()
 
     result = run_sweep_script(f"--config={BASE}", f"--sweep_dir={tmp_path / 'grid'}", "--skip_invalid",
                               "--emit=slurm", "--parallel=4", "--slurm_option=--gres=gpu:8",
                               "--slurm_setup=source /venv/bin/activate")
     assert result.returncode == 0, result.stderr
-    assert "skipping invalid point num_heads=12,emb_dim=512,mlp_dim=2048,dropout_rate=0.1" in result.stdout
+    assert all(f"skipping invalid point {p.name}" in result.stdout for p in invalid)
     slurm = tmp_path / "grid" / "slurm"
     scripts = (slurm / "runs.txt").read_text().splitlines()
-    assert len(scripts) == 14 and all(os.access(path, os.X_OK) for path in scripts)
+    assert len(scripts) == len(valid) and all(os.access(path, os.X_OK) for path in scripts)
     array = (slurm / "array.sbatch").read_text()
-    assert "#SBATCH --array=0-13%4" in array and "#SBATCH --gres=gpu:8" in array
-    script = (slurm / "num_heads=16,emb_dim=768,mlp_dim=3072,dropout_rate=0.2.sh").read_text()
-    assert "--only=num_heads=16,emb_dim=768,mlp_dim=3072,dropout_rate=0.2" in script and "--skip_invalid" in script
-    assert "source /venv/bin/activate" in script and "--config.model.emb_dim=768" in script
+    assert f"#SBATCH --array=0-{len(valid) - 1}%4" in array and "#SBATCH --gres=gpu:8" in array
+    point = valid[-1]
+    script = (slurm / f"{point.name}.sh").read_text()
+    assert f"--only={point.name}" in script and "--skip_invalid" in script and "source /venv/bin/activate" in script
+    assert all(f"--config.{key}={sweep.cli_value(value)}" in script for key, value in point.overrides.items())
     for path in [*scripts, slurm / "array.sbatch"]:
         assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
     # Nothing ran: no run has a status, a log or a workdir.
@@ -271,9 +292,10 @@ def test_a_tiny_sweep_isolates_a_failure_skips_finished_runs_and_collects(tmp_pa
     assert f"{good}: done" in result.stdout
     scores = json.loads((sweep_dir / good / "scores.json").read_text())
     assert scores["step"] == TINY_OVERRIDES["train.num_train_steps"]
-    section, field = key.split(".")
     saved = json.loads((sweep_dir / good / "config.json").read_text())
-    assert saved[section][field] == good_value and saved["model"]["emb_dim"] == 32
+    for name, value in {**shared, key: good_value}.items():  # the point's own value and every shared one reached it
+        section, field = name.split(".")
+        assert saved[section][field] == value, name
     status = json.loads((sweep_dir / bad / sweep.STATUS).read_text())
     assert status["state"] == "exited" and status["returncode"] == 1 and status["slot"] in ("CPU 0", "CPU 1")
     assert f"error: {error}" in (sweep_dir / bad / sweep.LOG).read_text()  # the run's own one-line message

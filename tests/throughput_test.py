@@ -1,6 +1,8 @@
-"""transformer.throughput and the step's attention-pair counts: the analytic model FLOPs behind MFU, the peak
-FLOP/s table and the cached CPU peak."""
+"""transformer.throughput and the step's attention-pair counts: the analytic model FLOPs behind MFU (against the
+peer's count and against the matrix products of the traced train step), the peak FLOP/s table and the cached CPU
+peak."""
 
+import functools
 import json
 import os
 import types
@@ -10,10 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from transformer import throughput, trainer
 from transformer.model import ModelConfig, Transformer
-from transformer.steps import attention_pairs
+from transformer.optim import OptimizerConfig, make_optimizer
+from transformer.steps import attention_pairs, train_step
 
 SHAPES = {  # the two benchmark shapes: config, batch rows, source length, target length
     "small": (ModelConfig(vocab_size=8000, emb_dim=256, num_heads=4, num_encoder_layers=3, num_decoder_layers=3,
@@ -53,9 +57,45 @@ def test_model_flops_count_each_kernel_on_the_tokens_it_sees(shape):
         flops_from_the_parameters(config, rows, 40, 24), rel=1e-12)
 
 
-def test_the_base_step_is_the_figure_in_the_benchmarks():
-    config, rows, source_length, target_length = SHAPES["base"]
-    assert throughput.model_flops_of_shape(config, rows, source_length, target_length) == 374_870_114_304
+def subjaxprs(value):
+    """The jaxprs an equation's parameter holds (a call's body, a scan's body, a custom_jvp's function)."""
+    if isinstance(value, ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, Jaxpr):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from subjaxprs(item)
+
+
+def matmul_flops(jaxpr) -> int:
+    """2 x M x N x K of every dot_general the traced computation runs (a scan's body once per iteration)."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contracting, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2 * int(np.prod(eqn.outvars[0].aval.shape)) * int(np.prod([lhs[d] for d in contracting]))
+        assert eqn.primitive.name not in ("while", "cond"), eqn.primitive  # run counts a trace cannot tell
+        for value in eqn.params.values():
+            total += eqn.params.get("length", 1) * sum(matmul_flops(sub) for sub in subjaxprs(value))
+    return total
+
+
+def test_model_flops_are_the_matmul_flops_the_traced_train_step_runs():
+    """An independent count: every matrix product in the jaxpr of the real train step (forward, backward through
+    autodiff, optimizer), shapes read off the trace. Unequal layer counts and lengths, and dropout on, so that a term
+    counted on the wrong side, with the wrong layer count or the wrong forward/backward factor would show."""
+    config = ModelConfig(vocab_size=2000, emb_dim=128, num_heads=4, num_encoder_layers=2, num_decoder_layers=1,
+                         mlp_dim=512, dropout_rate=0.1)
+    rows, source_length, target_length = 8, 40, 24
+    optimizer, schedule = make_optimizer(OptimizerConfig(), config.emb_dim)
+    step = functools.partial(train_step, graphdef=trainer.model_graphdef(config), optimizer=optimizer,
+                             schedule=schedule, label_smoothing=0.1)
+    batch = {"inputs": jax.ShapeDtypeStruct((rows, source_length), jnp.int32),
+             "targets": jax.ShapeDtypeStruct((rows, target_length), jnp.int32)}
+    jaxpr = jax.make_jaxpr(step)(trainer.abstract_train_state(config, optimizer, 0), batch)
+    assert matmul_flops(jaxpr.jaxpr) == throughput.model_flops_of_shape(config, rows, source_length, target_length)
 
 
 def test_attention_pairs_count_each_packed_sentence_square():
@@ -70,36 +110,45 @@ def test_attention_pairs_count_each_packed_sentence_square():
     assert pairs == {"encoder_pairs": 9, "decoder_pairs": 4, "cross_pairs": 6}
 
 
-def test_throughput_metrics_divide_the_counted_flops_by_time_and_peak():
+def test_throughput_metrics_are_rates_of_the_whole_window_and_mfu_a_share_of_the_peak():
     config, rows, source_length, target_length = SHAPES["small"]
-    summary = {"source_tokens": rows * source_length, "target_tokens": rows * target_length,
-               "encoder_pairs": rows * source_length**2, "decoder_pairs": rows * target_length**2,
-               "cross_pairs": rows * source_length * target_length}
-    two_steps = {key: 2 * value for key, value in summary.items()}
-    out = trainer.throughput_metrics(two_steps, config, seconds=4.0, steps=2, peak_flops=1e11)
-    flops = 2 * throughput.model_flops_of_shape(config, rows, source_length, target_length)
-    assert out["tokens_per_second"] == 2 * rows * target_length / 4.0
-    assert out["all_tokens_per_second"] == 2 * rows * (source_length + target_length) / 4.0
-    assert out["steps_per_second"] == 0.5
-    assert out["mfu"] == pytest.approx(flops / 4.0 / (1e11 * jax.device_count()))
-    assert "mfu" not in trainer.throughput_metrics(two_steps, config, seconds=4.0, steps=2, peak_flops=None)
+    step = {"source_tokens": rows * source_length, "target_tokens": rows * target_length,
+            "encoder_pairs": rows * source_length**2, "decoder_pairs": rows * target_length**2,
+            "cross_pairs": rows * source_length * target_length}
+    one = trainer.throughput_metrics(step, config, seconds=2.0, steps=1, peak_flops=1e11)
+    # A window of two such steps in twice the time has the same rates: its sums are divided by its seconds.
+    two = trainer.throughput_metrics({key: 2 * value for key, value in step.items()}, config, seconds=4.0, steps=2,
+                                     peak_flops=1e11)
+    assert two == pytest.approx(one, rel=1e-12)
+    faster = trainer.throughput_metrics(step, config, seconds=1.0, steps=1, peak_flops=1e11)
+    assert faster == pytest.approx({key: 2 * value for key, value in one.items()}, rel=1e-12)
+    assert one["all_tokens_per_second"] > one["tokens_per_second"] > 0  # target tokens alone, then both sides
+    # MFU is the share of the peak: a doubled peak halves it and moves nothing else; no peak, no MFU.
+    higher_peak = trainer.throughput_metrics(step, config, seconds=2.0, steps=1, peak_flops=2e11)
+    assert higher_peak == pytest.approx({**one, "mfu": one["mfu"] / 2}, rel=1e-12)
+    assert "mfu" not in trainer.throughput_metrics(step, config, seconds=2.0, steps=1, peak_flops=None)
+    # The same tokens in shorter (packed) sentences attend over fewer pairs: fewer FLOPs in the same seconds.
+    packed = trainer.throughput_metrics({**step, **{key: step[key] / 4 for key in ("encoder_pairs", "decoder_pairs",
+                                                                                     "cross_pairs")}},
+                                        config, seconds=2.0, steps=1, peak_flops=1e11)
+    assert packed["tokens_per_second"] == one["tokens_per_second"]
+    assert packed["model_flops_per_second"] < one["model_flops_per_second"]
 
 
-def test_accelerator_peaks_come_from_the_table_by_device_kind():
-    def device(platform, kind):
-        return types.SimpleNamespace(platform=platform, device_kind=kind)
-    assert throughput.device_peak_flops(device("gpu", "NVIDIA H200")) == 989e12
-    assert throughput.device_peak_flops(device("gpu", "NVIDIA A100-SXM4-80GB"), dtype="float32") == 156e12
-    assert throughput.device_peak_flops(device("tpu", "TPU v5 lite")) == 197e12
-    assert throughput.device_peak_flops(device("tpu", "TPU v4")) == 275e12
-    assert throughput.device_peak_flops(device("gpu", "NVIDIA L4")) == 121e12
-    assert throughput.device_peak_flops(device("gpu", "NVIDIA L40S")) == 362e12  # not the L4's
-    assert throughput.device_peak_flops(device("gpu", "NVIDIA GH200 480GB")) == 989e12
-    assert throughput.device_peak_flops(device("tpu", "TPU v5p")) == 459e12  # not "TPU v5" (v5e's kind is "lite")
-    assert throughput.device_peak_flops(device("tpu", "TPU v6 lite")) == 918e12
-    assert throughput.device_peak_flops(device("gpu", "Tesla V100S-PCIE-32GB")) == 130e12
-    assert throughput.device_peak_flops(device("gpu", "Tesla V100-SXM2-16GB")) == 125e12
-    assert throughput.device_peak_flops(device("gpu", "a GPU nobody listed")) is None
+def test_accelerator_peaks_are_found_by_the_device_kind_jax_reports():
+    def peak(platform, kind, dtype="bfloat16"):
+        return throughput.device_peak_flops(types.SimpleNamespace(platform=platform, device_kind=kind), dtype=dtype)
+    table = dict(throughput.PEAK_BF16_FLOPS)
+    for kind, flops in throughput.PEAK_BF16_FLOPS:  # no row is shadowed by another that matches its name first
+        assert peak("gpu", kind) == flops and peak("gpu", kind, "float32") == flops / 2, kind
+    # device_kind as JAX spells it -> the row of that chip, also where the name contains another chip's name.
+    for kind, row in [("NVIDIA H200", "H200"), ("NVIDIA GH200 480GB", "GH200"), ("NVIDIA A100-SXM4-80GB", "A100"),
+                      ("NVIDIA L4", "L4"), ("NVIDIA L40S", "L40S"), ("Tesla V100-SXM2-16GB", "V100"),
+                      ("Tesla V100S-PCIE-32GB", "V100S"), ("TPU v4", "TPU v4"), ("TPU v5 lite", "TPU v5 lite"),
+                      ("TPU v5", "TPU v5p"), ("TPU v6 lite", "TPU v6")]:
+        assert peak("tpu" if kind.startswith("TPU") else "gpu", kind) == table[row], kind
+    assert table["L4"] != table["L40S"] and table["V100"] != table["V100S"] and table["TPU v5 lite"] != table["TPU v5p"]
+    assert peak("gpu", "a GPU nobody listed") is None
 
 
 def test_the_cpu_peak_is_measured_once_then_read_from_its_cache(tmp_path, monkeypatch):
@@ -120,8 +169,3 @@ def test_the_cpu_peak_is_measured_once_then_read_from_its_cache(tmp_path, monkey
     not_a_directory = tmp_path / "a_file"
     not_a_directory.write_text("")
     assert throughput.cpu_peak_flops(str(not_a_directory / "peak.json")) == 1e11 + 4  # unwritable: measured only
-
-
-def test_the_tests_keep_their_cpu_peak_out_of_the_users_cache():
-    # tests/conftest.py: a peak measured while the other test worker runs would be too low for the user's runs.
-    assert throughput.CACHE_FILE.startswith(os.environ["TRANSFORMER_TESTS_DIR"] + os.sep)

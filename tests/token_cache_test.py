@@ -10,22 +10,8 @@ import numpy as np
 import pytest
 from tiny import make_tiny_config
 
-from transformer import corpus, data, trainer
+from transformer import data, trainer
 from transformer.sources import DataError
-
-
-@pytest.fixture
-def drawn(monkeypatch):
-    """split -> how many pairs the built-in generator has yielded of it (the real generator, counted)."""
-    counts = {}
-    generate = corpus.iter_builtin_split
-
-    def counted(split, **kwargs):
-        for pair in generate(split, **kwargs):
-            counts[split] = counts.get(split, 0) + 1
-            yield pair
-    monkeypatch.setattr(corpus, "iter_builtin_split", counted)
-    return counts
 
 
 def start(config: data.DataConfig, workdir) -> data.TokenCache:
