@@ -7,18 +7,17 @@
         --config.model.dtype=bfloat16 --output=runs/bench.jsonl
     # lower and compile only: memory per device for a mesh, before the job starts
     PYTHONPATH=. python scripts/benchmark.py --compile_only --config=configs/big.py --config.mesh.fsdp=8
-    # beam-4 decoding speed, and the speed-up of caching cross-attention keys/values
+    # beam-4 decoding speed (--beam_size=1: greedy search)
     PYTHONPATH=. python scripts/benchmark.py --mode=decode --shape=small
     # where the time goes: the 20 most expensive XLA ops of the step (or search), with their HLO
     PYTHONPATH=. python scripts/benchmark.py --mode=train --shape=small --profile=20
 
 --mode=decode: beam search of `--batch` random source sentences of `--source_length` tokens, every sentence
 decoding exactly `--new_tokens` tokens (early stopping off, as the peers' `generate(eos_token_id=None)`), in
-float32; reports sentences/s and new tokens/s (batch * new_tokens / time, as the peers count them), and the
-speed-up of caching the cross-attention keys/values against recomputing them at every step (flax
-examples/wmt's way). Median of --repeats timed runs after one compiling run. `--beam_size=1
---compare_recompute=false` times greedy search instead, as eval.py runs it (a random model rarely emits EOS, so
-it too runs to the limit).
+float32; reports sentences/s and new tokens/s (batch * new_tokens / time, as the peers count them). Median of
+--repeats timed runs after one compiling run. `--beam_size=1` times greedy search instead, as eval.py runs it (a
+random model rarely emits EOS, so it too runs to the limit). `--config.decode.cache_blocks=N` sets the
+self-attention cache's blocks (default: decode.cache_blocks_for's choice).
 
 Batches are synthetic: every row holds `source_length` / `target_length` random non-padding tokens (no
 packing), like the peers' harness (/work/shared/peers/hf_throughput.py). Model FLOPs are
@@ -71,7 +70,8 @@ flags.DEFINE_bool("hugepages", True, "Re-run under GLIBC_TUNABLES=glibc.malloc.h
 flags.DEFINE_integer("new_tokens", 40, "decode: tokens decoded per sentence (no early stop).")
 flags.DEFINE_integer("beam_size", 4, "decode: beam size (1: greedy search).")
 flags.DEFINE_integer("repeats", 3, "decode: timed runs (the median is reported).")
-flags.DEFINE_bool("compare_recompute", True, "decode: also time recomputing cross-attention keys/values per step.")
+flags.DEFINE_bool("compare_recompute", False, "decode: no longer measured (recomputing cross-attention keys/values "
+                  "per step was 2.1-2.3x slower, docs/benchmarks.md); only false is accepted.")
 flags.DEFINE_bool("decode_all_devices", False, "decode: split the batch's rows over every device, as decode.translate "
                   "does (8 fake CPU devices: XLA_FLAGS=--xla_force_host_platform_device_count=8).")
 flags.DEFINE_string("output", "", "Append the result as one JSON line to this file.")
@@ -285,16 +285,13 @@ def timed(fn, repeats: int) -> tuple[float, list[float]]:
     return first, times
 
 
-def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats: int, compare_recompute: bool
-               ) -> dict:
-    """Beam search of random sentences on a random-init model of the config's shape, float32, one device."""
-    import functools
+def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats: int) -> dict:
+    """Beam (or greedy) search of random sentences on a random-init model of the config's shape, float32."""
     import statistics
 
     from flax import nnx
 
     from transformer import decode, trainer
-    from transformer.decode import beam_search, greedy_search
     from transformer.model import Transformer
 
     batch, source_length = sizes["batch"], sizes["source_length"]
@@ -316,8 +313,9 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
             raise app.UsageError(f"--batch={batch} cannot be split into whole rows over {jax.device_count()} devices")
         inputs = sharding.place_batch({"inputs": inputs}, batch_sharding)["inputs"]
     # Every sentence may produce source_length + max_extra_length = new_tokens tokens, and without early stopping
-    # every sentence runs to that limit.
-    max_extra_length = new_tokens - source_length
+    # every sentence runs to that limit (greedy search stops only once every row has its EOS, as make_search's).
+    search = decode.make_search(graphdef, max_extra_length=new_tokens - source_length, beam_size=beam_size,
+                                alpha=0.6, early_stopping=False, cache_blocks=cache_blocks)
     result = dict(mode="decode", shape=flags.FLAGS.shape, batch=batch, source_length=source_length,
                   new_tokens=new_tokens, beam_size=beam_size, cache_blocks=cache_blocks, dtype="float32",
                   backend=jax.default_backend(), devices=str(jax.devices()), jax=jax.__version__,
@@ -325,37 +323,19 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   model={key: getattr(config, key) for key in ("emb_dim", "num_heads", "num_encoder_layers",
                                                                "num_decoder_layers", "mlp_dim", "vocab_size")})
-    def best_of_beams(params, inputs, recompute_cross_attention):
-        return beam_search(params, inputs, graphdef=graphdef, beam_size=beam_size, alpha=0.6,
-                           max_extra_length=max_extra_length, early_stopping=False, cache_blocks=cache_blocks,
-                           recompute_cross_attention=recompute_cross_attention)[0][:, 0]
-
-    if beam_size == 1 and compare_recompute:
-        raise app.UsageError("--beam_size=1 times greedy search, which has no recomputed cross-attention variant: "
-                             "add --compare_recompute=false")
-    variants = {"cached": False, "recomputed": True} if compare_recompute else {"cached": False}
-    for name, recompute in variants.items():
-        if beam_size == 1:  # what make_search runs for one beam (it stops only once every row has its EOS)
-            search = jax.jit(functools.partial(greedy_search, graphdef=graphdef, max_extra_length=max_extra_length,
-                                               cache_blocks=cache_blocks))
-        else:
-            search = jax.jit(functools.partial(best_of_beams, recompute_cross_attention=recompute))
-        first, times = timed(lambda: search(params, inputs), repeats)
-        sequences = np.asarray(search(params, inputs))
-        median = statistics.median(times)
-        result[name] = dict(first_call_seconds=first, seconds=times, median_seconds=median,
+    first, times = timed(lambda: search(params, inputs), repeats)
+    sequences = np.asarray(search(params, inputs))
+    median = statistics.median(times)
+    result["cached"] = dict(first_call_seconds=first, seconds=times, median_seconds=median,
                             sentences_per_second=batch / median, tokens_per_second=batch * new_tokens / median,
                             decoded_length=int(np.max(np.sum(sequences != 0, axis=1))))
-        print(f"{name}: {batch / median:.1f} sentences/s, {batch * new_tokens / median:.0f} tokens/s "
-              f"(median of {[round(t, 3) for t in times]} s; first call {first:.1f} s)", flush=True)
-        if flags.FLAGS.profile and name == "cached":
-            # The jitted call does not expose its executable: compile the same program again (untimed) for
-            # the HLO that names the traced ops.
-            hlo = search.lower(params, inputs).compile().as_text()
-            result["profile"] = profile_ops(lambda: search(params, inputs), 1, hlo, flags.FLAGS.profile)
-    if compare_recompute:
-        result["cached_speedup"] = result["recomputed"]["median_seconds"] / result["cached"]["median_seconds"]
-        print(f"caching cross-attention keys/values is {result['cached_speedup']:.2f}x faster", flush=True)
+    print(f"cached: {batch / median:.1f} sentences/s, {batch * new_tokens / median:.0f} tokens/s "
+          f"(median of {[round(t, 3) for t in times]} s; first call {first:.1f} s)", flush=True)
+    if flags.FLAGS.profile:
+        # The jitted call does not expose its executable: compile the same program again (untimed) for the HLO
+        # that names the traced ops.
+        hlo = search.run.lower(params, inputs, decode.default_streams(batch)).compile().as_text()
+        result["profile"] = profile_ops(lambda: search(params, inputs), 1, hlo, flags.FLAGS.profile)
     return result
 
 
@@ -396,8 +376,11 @@ def main(argv):
     with config.unlocked():
         sizes = apply_shape(config, flags.FLAGS.shape)
     if flags.FLAGS.mode == "decode":
+        if flags.FLAGS.compare_recompute:
+            raise app.UsageError("--compare_recompute: recomputing cross-attention keys/values is no longer part of "
+                                 "the library (measured 2.1-2.3x slower than caching them: docs/benchmarks.md)")
         result = run_decode(config, sizes, new_tokens=flags.FLAGS.new_tokens, beam_size=flags.FLAGS.beam_size,
-                            repeats=flags.FLAGS.repeats, compare_recompute=flags.FLAGS.compare_recompute)
+                            repeats=flags.FLAGS.repeats)
     elif flags.FLAGS.compile_only:
         result = run_compile_only(config, sizes)
     else:

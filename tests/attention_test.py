@@ -1,5 +1,6 @@
-"""model.attention: the reference implementation and jax.nn.dot_product_attention (xla) agree under padding,
-causal masks and packed segments; the whole model agrees too. cudnn (flash attention) needs a GPU: on a CPU only
+"""model.attention: the reference implementation (the one attention body, also cached decoding's) and
+jax.nn.dot_product_attention (xla) agree under padding, causal masks and packed segments, for a few queries too;
+the whole model agrees too. cudnn (flash attention) needs a GPU: on a CPU only
 its error is tested; on a GPU (scripts/gpu_checks.sh) it is compared with the reference in bfloat16. model.remat
 changes memory, not results."""
 
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from transformer.model import ModelConfig, Transformer, attention, attention_mask, dot_product_attention
+from transformer.model import (ModelConfig, Transformer, attention, attention_mask, head_major_attention,
+                               to_cache_layout)
 from transformer.steps import dropout_rngs
 
 
@@ -34,23 +36,16 @@ def test_xla_attention_equals_the_reference_with_padding_causal_and_packed_masks
     np.testing.assert_allclose(np.asarray(xla)[real], np.asarray(reference)[real], atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype, atol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)])
-@pytest.mark.parametrize("causal", [False, True])
-def test_the_fused_short_query_path_equals_the_einsum_path(causal, dtype, atol):
-    """The reference takes a multiply-and-sum path for up to 8 queries (decoding steps, short sentences) and
-    einsum above: both compute the same sums, under padding, causal masks and packed segments."""
-    keys = jax.random.split(jax.random.PRNGKey(1), 3)
-    query, key, value = (jax.random.normal(k, (3, 8, 2, 16)).astype(dtype) for k in keys)
-    segmentation = packed_segments()
-    mask = attention_mask(segmentation, segmentation, causal=causal)
-    kw = dict(deterministic=True, rngs=None)
-    real = np.asarray(segmentation != 0)
-    for length in (2, 5, 8):  # queries; the keys stay 8
-        fused, plain = (dot_product_attention(query[:, :length], key, value, mask[:, :, :length], nnx.Dropout(0.0),
-                                              fused=flag, **kw) for flag in (True, False))
-        assert fused.dtype == plain.dtype == dtype
-        np.testing.assert_allclose(np.asarray(fused, np.float32)[real[:, :length]],
-                                   np.asarray(plain, np.float32)[real[:, :length]], atol=atol)
+@pytest.mark.parametrize("queries", [1, 4])
+def test_the_attention_body_equals_xla_for_a_few_queries_over_head_major_keys(queries):
+    """Cached decoding runs head_major_attention with a few queries (one per sentence, or its beams) over keys in
+    the caches' layout: the same attention as jax's over the same rows."""
+    keys = jax.random.split(jax.random.PRNGKey(3), 3)
+    query, key, value = (jax.random.normal(k, (3, n, 2, 16)) for k, n in zip(keys, (queries, 8, 8)))
+    mask = jnp.broadcast_to((packed_segments() != 0)[:, None, None, :], (3, 1, queries, 8))
+    expected = jax.nn.dot_product_attention(query, key, value, mask=mask, implementation="xla")
+    got = jax.jit(head_major_attention)(jnp.transpose(query, (0, 2, 1, 3)), *to_cache_layout(key, value), mask)
+    np.testing.assert_allclose(np.asarray(jnp.transpose(got, (0, 2, 1, 3))), np.asarray(expected), atol=1e-5)
 
 
 def test_the_model_gives_the_same_logits_with_either_implementation():

@@ -12,15 +12,14 @@ from flax import nnx
 from transformer.decode import (NEG_INF, DecodeConfig, beam_search, budget_batches, cache_blocks_for,
                                 command_line_settings, greedy_search, length_penalty, make_search, nbest_lines,
                                 sampling_logits, search_ids, search_nbest, search_sentences)
-from transformer.model import (ModelConfig, Transformer, cached_attention, dot_product_attention, to_cache_layout,
+from transformer.model import (ModelConfig, Transformer, blocked_attention, dot_product_attention, to_cache_layout,
                                write_cache_rows)
 from transformer.steps import shift_right
 from transformer.tokenizer import EOS_ID
 
 
 jitted_beam_search = jax.jit(beam_search, static_argnames=(
-    "graphdef", "beam_size", "alpha", "max_extra_length", "early_stopping", "cache_blocks",
-    "recompute_cross_attention", "penalty"))
+    "graphdef", "beam_size", "alpha", "max_extra_length", "early_stopping", "cache_blocks", "penalty"))
 
 
 def build(vocab_size, seed, **shapes):
@@ -68,11 +67,11 @@ def test_cached_incremental_logits_equal_the_teacher_forced_pass(model_and_searc
     @jax.jit
     def both(params):
         model = nnx.merge(graphdef, params)
-        cache = model.init_cache(model.encode(INPUTS), decoder_inputs.shape[1], blocks)
+        cache = model.init_cache(model.encode(INPUTS), INPUTS, decoder_inputs.shape[1], blocks=blocks)
         steps = []
         for index in range(decoder_inputs.shape[1]):  # each step reads only the blocks up to its own
-            logits, cache = model.decode_step(decoder_inputs[:, index], jnp.int32(index), cache, INPUTS)
-            steps.append(logits)
+            logits, cache = model.decode_step(decoder_inputs[:, index, None], jnp.int32(index), cache)
+            steps.append(logits[:, 0])
         return jnp.stack(steps, axis=1), model(INPUTS, decoder_inputs)
     incremental, full = both(params)
     np.testing.assert_allclose(incremental[:2], full[:2], atol=1e-5, rtol=1e-5)
@@ -193,10 +192,8 @@ def test_beam_search_without_early_stopping_gives_the_same_best(model_and_search
     kw = dict(graphdef=graphdef, beam_size=3, alpha=0.6, max_extra_length=6)
     early, early_scores = jitted_beam_search(params, INPUTS, **kw)
     full, full_scores = jitted_beam_search(params, INPUTS, early_stopping=False, **kw)
-    recomputed, _ = jitted_beam_search(params, INPUTS, early_stopping=False, recompute_cross_attention=True, **kw)
     np.testing.assert_array_equal(early, full)
     np.testing.assert_allclose(early_scores, full_scores, rtol=1e-6)
-    np.testing.assert_array_equal(recomputed, full)
 
 
 def test_early_stopping_under_fairseqs_penalty_loses_nothing():
@@ -242,20 +239,25 @@ def test_cache_rows_written_in_blocks_equal_one_array():
 
 
 def test_attention_over_blocks_equals_attention_over_the_whole_cache():
+    """blocked_attention reads only the blocks up to the last row written and joins them into one softmax: the
+    same as one softmax over every row the mask shows (rows past last_row are never shown)."""
     rng = np.random.default_rng(0)
     keys, values, query = (rng.normal(size=shape).astype(np.float32) for shape in [(2, 9, 4, 8), (2, 9, 4, 8),
                                                                                     (2, 3, 4, 8)])
-    mask = rng.random((2, 1, 3, 12)) < 0.6
-    mask[0, 0, 1] = False  # a row all masked
+    mask = rng.random((2, 1, 3, 9)) < 0.6
+    mask[:, :, :, 0] = True  # every query sees a row
+    mask[0, 0, 1, 1:6] = False  # one that sees a single row of the first block and the rest of the last
+
     @jax.jit  # one compilation instead of one per op
-    def both(query, keys, values, mask):
+    def both(query, keys, values, mask, last_row):
+        mask = mask & (jnp.arange(9) <= last_row)
         key_blocks, value_blocks = to_cache_layout(keys, values)
-        expected = dot_product_attention(query, keys, values, mask[..., :9], nnx.Dropout(0.0), deterministic=True,
-                                         rngs=None, fused=False)
-        got = cached_attention(query, tuple(jnp.split(key_blocks, 3, axis=3)),
-                               tuple(jnp.split(value_blocks, 3, axis=2)), mask)  # mask columns 9-11 are not read
-        return got, expected
-    np.testing.assert_allclose(*both(query, keys, values, mask), atol=1e-6)
+        expected = dot_product_attention(query, keys, values, mask)
+        got = blocked_attention(jnp.transpose(query, (0, 2, 1, 3)), tuple(jnp.split(key_blocks, 3, axis=3)),
+                                tuple(jnp.split(value_blocks, 3, axis=2)), mask, last_row)
+        return jnp.transpose(got, (0, 2, 1, 3)), expected
+    for last_row in (8, 5, 2, 0):
+        np.testing.assert_allclose(*both(query, keys, values, mask, jnp.int32(last_row)), atol=1e-6)
 
 
 def test_sampling_is_seeded_and_top_k_one_is_greedy(model_and_search):

@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from transformer.model import (ModelConfig, Transformer, attention_mask, from_cache_layout, sinusoidal_positions,
-                               to_cache_layout)
+from transformer.model import ModelConfig, Transformer, attention_mask, sinusoidal_positions, to_cache_layout
 
 TINY = dict(vocab_size=40, emb_dim=32, num_heads=4, num_encoder_layers=2, num_decoder_layers=2, mlp_dim=64)
 INPUTS = jnp.array([[5, 6, 7, 8, 1, 0, 0], [9, 10, 1, 0, 0, 0, 0]])
@@ -62,28 +61,51 @@ def test_cached_decoding_equals_teacher_forced_pass(model):
 
     @nnx.jit
     def decode_all(model, inputs, decoder_inputs):
-        cache = model.init_cache(model.encode(inputs), decoder_inputs.shape[1])
+        cache = model.init_cache(model.encode(inputs), inputs, decoder_inputs.shape[1])
         steps = []
         for index in range(decoder_inputs.shape[1]):
-            step_logits, cache = model.decode_step(decoder_inputs[:, index], jnp.int32(index), cache, inputs)
-            steps.append(step_logits)
+            step_logits, cache = model.decode_step(decoder_inputs[:, index, None], jnp.int32(index), cache)
+            steps.append(step_logits[:, 0])
         return jnp.stack(steps, axis=1)
     np.testing.assert_allclose(decode_all(model, INPUTS, DECODER_INPUTS), logits, atol=1e-4)
 
 
-def test_caches_are_head_major_in_blocks_and_the_layout_round_trips():
+def test_caches_are_head_major_in_blocks():
     model = Transformer(ModelConfig(**TINY), rngs=nnx.Rngs(0))
-    layer_cache = model.init_cache(jnp.ones((2, 7, 32)), 6, blocks=2)[0]
-    # keys [batch, heads, head_dim, length], values [batch, heads, length, head_dim]; self-attention in 2 blocks of 3
-    assert [x.shape for x in layer_cache["key"]] == [(2, 4, 8, 3)] * 2
-    assert [x.shape for x in layer_cache["value"]] == [(2, 4, 3, 8)] * 2
-    with pytest.raises(ValueError, match="blocks=4 must be >= 1 and divide max_decode_length=6"):
-        model.init_cache(jnp.ones((2, 7, 32)), 6, blocks=4)
+    inputs = jnp.array([[5, 6, 7, 1, 0, 0, 0], [9, 10, 1, 0, 0, 0, 0]])
+    cache = model.init_cache(jnp.ones((2, 7, 32)), inputs, 5, hypotheses=3, blocks=2)
+    layer_cache = cache["layers"][0]
+    # keys [batch, heads, head_dim, rows], values [batch, heads, rows, head_dim]; 5 positions rounded up to 6, of
+    # 3 hypotheses each: 18 rows in 2 blocks of 9
+    assert [x.shape for x in layer_cache["key"]] == [(2, 4, 8, 9)] * 2
+    assert [x.shape for x in layer_cache["value"]] == [(2, 4, 9, 8)] * 2
+    with pytest.raises(ValueError, match="blocks=0 must be >= 1"):
+        model.init_cache(jnp.ones((2, 7, 32)), inputs, 6, blocks=0)
     assert layer_cache["cross_key"].shape == (2, 4, 8, 7) and layer_cache["cross_value"].shape == (2, 4, 7, 8)
+    np.testing.assert_array_equal(cache["source_mask"][:, 0, 0], inputs != 0)
     keys, values = (jax.random.normal(jax.random.key(i), (2, 7, 4, 8)) for i in (1, 2))
-    for got, expected in zip(from_cache_layout(*to_cache_layout(keys, values)), (keys, values)):
-        np.testing.assert_array_equal(got, expected)
-    assert to_cache_layout(keys, values)[0][1, 2, 3, 5] == keys[1, 5, 2, 3]
+    head_major_keys, head_major_values = to_cache_layout(keys, values)
+    assert head_major_keys[1, 2, 3, 5] == keys[1, 5, 2, 3] and head_major_values[1, 2, 5, 3] == values[1, 5, 2, 3]
+
+
+def test_hypotheses_decoded_together_equal_each_decoded_alone(model):
+    """decode_step with 3 hypotheses per sentence (each its own history by default) gives each one's logits of a
+    cache of its own: the hypotheses share the sentence's cross-attention keys/values and nothing else."""
+    targets = jnp.stack([DECODER_INPUTS, DECODER_INPUTS[::-1], DECODER_INPUTS.at[:, 2:].set(7)], axis=1)  # [2, 3, 6]
+
+    @nnx.jit
+    def steps(model, targets):
+        cache = model.init_cache(model.encode(INPUTS), INPUTS, targets.shape[-1], hypotheses=targets.shape[1],
+                                 blocks=2)
+        logits = []
+        for index in range(targets.shape[-1]):
+            step_logits, cache = model.decode_step(targets[..., index], jnp.int32(index), cache)
+            logits.append(step_logits)
+        return jnp.stack(logits, axis=2)  # [batch, hypotheses, length, vocab]
+    together = steps(model, targets)
+    for hypothesis in range(3):
+        alone = apply(model, INPUTS, targets[:, hypothesis])
+        np.testing.assert_allclose(together[:, hypothesis], alone, atol=1e-4)
 
 
 @pytest.mark.parametrize("rate", ["dropout_rate", "attention_dropout_rate", "relu_dropout_rate"])

@@ -155,12 +155,12 @@ def test_cached_decoding_of_the_scanned_model_equals_its_teacher_forced_pass():
 
     @nnx.jit
     def decode_all(model):
-        cache = model.init_cache(model.encode(INPUTS), DECODER_INPUTS.shape[1])
-        assert isinstance(cache, list) and len(cache) == 3  # one dict per layer, as decode.py's loops expect
+        cache = model.init_cache(model.encode(INPUTS), INPUTS, DECODER_INPUTS.shape[1])
+        assert len(cache["layers"]) == 3  # one per layer: cached decoding reads the stack layer by layer
         steps = []
         for index in range(DECODER_INPUTS.shape[1]):
-            step_logits, cache = model.decode_step(DECODER_INPUTS[:, index], jnp.int32(index), cache, INPUTS)
-            steps.append(step_logits)
+            step_logits, cache = model.decode_step(DECODER_INPUTS[:, index, None], jnp.int32(index), cache)
+            steps.append(step_logits[:, 0])
         return jnp.stack(steps, axis=1)
     np.testing.assert_allclose(decode_all(model), logits_of(graphdef, params), atol=1e-4)
 

@@ -2,16 +2,15 @@
 
 Every search is a pure function of (params, inputs), compiled once per input shape with `lax.while_loop`:
 
-  * the encoder runs once per batch, and the cross-attention keys/values of every decoder layer are computed
-    once per source sentence (`Transformer.init_cache`) and reused at every step; beam search keeps them at the
-    batch size, and a sentence's beams read them as that many queries (never repeated, never reordered);
-  * beam search never moves the self-attention cache when beams reorder: each hypothesis reads its history
-    through an ancestor table and the attention mask (`_beam_step`);
-  * each step of greedy search and sampling feeds one token per sentence through `Transformer.decode_step`,
-    which appends its key/value to the self-attention cache; beam search feeds a sentence's beams together
-    (`_beam_step`);
+  * every search uses only the model's `encode`, `init_cache` and `decode_step`: the encoder runs once per
+    batch, and the cross-attention keys/values of every decoder layer are computed once per source sentence
+    and reused at every step, at the batch size: a sentence's beams read them as that many queries;
+  * each step feeds every hypothesis's previous token through `Transformer.decode_step` (greedy search and
+    sampling: one per sentence; beam search: its beams), which writes its keys/values into the cache;
+  * beam search never moves the self-attention cache when beams reorder: it passes decode_step an ancestor
+    table saying whose cache rows hold each hypothesis's history;
   * the self-attention cache is held in `cache_blocks` blocks, and a step reads only the blocks written so far
-    (`MultiHeadAttention.attend_cached`).
+    (`cache_blocks_for`).
 
 Lengths (the paper's "maximum output length input length + 50"): sentence i may produce up to
 `limit_i = (its real input length, EOS included) + max_extra_length` tokens, its EOS included; at position
@@ -55,7 +54,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from transformer import data, sharding
 from transformer.metrics import log
-from transformer.model import to_cache_layout
 from transformer.tokenizer import EOS_ID, PAD_ID, Tokenizer
 
 PyTree = Any
@@ -175,18 +173,11 @@ def only_eos_at_limit(logits: jax.Array, index: jax.Array, limits: jax.Array) ->
 
 def cache_blocks_for(cache_blocks: int, beam_size: int) -> int:
     """The config's decode.cache_blocks with 0 ("auto") resolved: 4 blocks for beam search, 1 for greedy search and
-    sampling. Blocks make the steps faster and the compilation longer (a lax.switch per layer): measured on 2 CPU
-    cores, decoding 1,000 sentences (compilation included) with 4 blocks instead of 1 took 25 s instead of 29 s
-    with beam 4 but 18 s instead of 11 s with greedy search (the quick start's small model; docs/benchmarks.md)."""
+    sampling. Blocks make beam search's steps faster on CPU (they read only the rows written so far); greedy search's
+    steps are cheap, and the blocks' longer compilation of each batch shape costs it more (docs/benchmarks.md)."""
     if cache_blocks < 0:
         raise ValueError(f"cache_blocks={cache_blocks} must be >= 0 (0: 4 for beam search, 1 otherwise)")
     return cache_blocks or (4 if beam_size > 1 else 1)
-
-
-def cache_length(max_decode_length: int, blocks: int) -> int:
-    """Positions of a self-attention cache held in `blocks` (>= 1, from cache_blocks_for) equal blocks that holds
-    max_decode_length positions: rounded up to a multiple of blocks (the last block may hold a few unused ones)."""
-    return -(-max_decode_length // blocks) * blocks
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -239,7 +230,7 @@ def greedy_search(params: PyTree, inputs: jax.Array, streams: jax.Array | None =
     batch, max_decode_length = inputs.shape[0], inputs.shape[1] + max_extra_length
     cache_blocks = cache_blocks_for(cache_blocks, 1)
     limits = output_limits(inputs, max_extra_length)
-    cache = model.init_cache(model.encode(inputs), cache_length(max_decode_length, cache_blocks), cache_blocks)
+    cache = model.init_cache(model.encode(inputs), inputs, max_decode_length, blocks=cache_blocks)
     keys = row_keys(seed, default_streams(batch) if streams is None else streams) if temperature > 0 else None
 
     def choose(logits, index):
@@ -253,7 +244,8 @@ def greedy_search(params: PyTree, inputs: jax.Array, streams: jax.Array | None =
 
     def step(carry):
         index, finished = carry["index"], carry["finished"]
-        raw, cache = model.decode_step(carry["previous"], index, carry["cache"], inputs)
+        raw, cache = model.decode_step(carry["previous"][:, None], index, carry["cache"])
+        raw = raw[:, 0]
         logits = only_eos_at_limit(raw, index, limits)
         token = jnp.where(finished, PAD_ID, choose(logits, index).astype(jnp.int32))
         log_prob = carry["log_prob"]
@@ -280,33 +272,6 @@ def _gather_beams(tree: PyTree, beam_indices: jax.Array) -> PyTree:
     """Select beams: every leaf [batch, beams, ...] indexed by beam_indices [batch, n] -> [batch, n, ...]."""
     return jax.tree.map(lambda x: jnp.take_along_axis(
         x, beam_indices.reshape(beam_indices.shape + (1,) * (x.ndim - 2)), axis=1), tree)
-
-
-def _beam_step(model, tokens: jax.Array, index: jax.Array, cache: PyTree, ancestors: jax.Array,
-               cross_mask: jax.Array) -> tuple[jax.Array, PyTree]:
-    """One decoding position for every hypothesis without moving the self-attention cache when beams reorder.
-
-    tokens [batch, beams]; the beams are the decoder's "length" axis, so one sentence's beams share its
-    cross-attention keys/values (never repeated). The self-attention cache has length * beams rows (its length
-    axis, see model.to_cache_layout; length: the decode length padded to whole cache blocks), position-major: the
-    hypothesis in beam slot j writes position t to row t * beams + j, where it stays. ancestors [batch, beams,
-    length] says which slot holds each position of each hypothesis, and the self-attention mask lets it see
-    exactly those rows (softmax over the same keys as a reordered cache, plus masked ones). Reordering then moves
-    this small int table instead of every layer's keys and values, which cost ~22% of a beam-4 step on CPU.
-    -> (logits [batch, beams, vocab] float32, cache).
-    """
-    batch, beams = tokens.shape
-    length = ancestors.shape[-1]
-    visible = (ancestors[..., None] == jnp.arange(beams)) & (jnp.arange(length) <= index)[:, None]
-    self_mask = visible.reshape(batch, 1, beams, length * beams)
-    x = model.target_embedder(tokens, jnp.full(tokens.shape, index, jnp.int32), deterministic=True, rngs=None)
-    new_cache = []
-    for layer, layer_cache in zip(model.decoder_layers, cache):
-        # cache_index addresses rows: position `index` of all beams is rows index * beams ... index * beams + beams - 1.
-        x, layer_cache = layer(x, None, self_mask, cross_mask, deterministic=True, rngs=None, cache=layer_cache,
-                               cache_index=index * beams)
-        new_cache.append(layer_cache)
-    return model.logits(x), new_cache
 
 
 def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -350,50 +315,46 @@ def _top_extensions(logits: jax.Array, live_scores: jax.Array, at_limit: jax.Arr
     return scores, flat // per_beam, jnp.take_along_axis(tokens.reshape(batch, beams * per_beam), flat, axis=1)
 
 
+def _beam_start(cache: PyTree, limits: jax.Array, beams: int, max_decode_length: int) -> dict[str, Any]:
+    """beam_search's loop state before the first step: no hypothesis, no history, nothing finished."""
+    batch = limits.shape[0]
+    # Only beam 0 is live at the start, so the first step's K best come from K different tokens.
+    live_scores = jnp.tile(jnp.array([0.0] + [NEG_INF] * (beams - 1), jnp.float32), (batch, 1))
+    return dict(index=jnp.int32(0), cache=cache, tokens=jnp.zeros((batch, beams), jnp.int32),
+                ancestors=jnp.zeros((batch, beams, max_decode_length), jnp.int32),
+                live_scores=live_scores, live_sequences=jnp.zeros((batch, beams, max_decode_length), jnp.int32),
+                finished_scores=jnp.full((batch, beams), NEG_INF, jnp.float32),
+                finished_sequences=jnp.zeros((batch, beams, max_decode_length), jnp.int32),
+                finished_flags=jnp.zeros((batch, beams), bool), done=limits == 0)
+
+
 def beam_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, beam_size: int, alpha: float,
                 max_extra_length: int, early_stopping: bool = True, cache_blocks: int = 0,
-                recompute_cross_attention: bool = False, penalty: str = "gnmt") -> tuple[jax.Array, jax.Array]:
+                penalty: str = "gnmt") -> tuple[jax.Array, jax.Array]:
     """inputs [batch, src_length] -> (sequences [batch, beam_size, src_length + max_extra_length], each ending in
     EOS then padding, best first; scores [batch, beam_size], log P / length_penalty(length, alpha, penalty),
     NEG_INF-ish for empty slots).
 
     early_stopping=False runs every row to the full buffer length (for benchmarks). cache_blocks: the
     self-attention cache's blocks (Transformer.init_cache; 0: cache_blocks_for's choice, 4); the results are the
-    same up to float rounding. recompute_cross_attention recomputes the cross-attention keys/values at every
-    step, as flax's examples/wmt does: only there to measure what caching them saves.
+    same up to float rounding. The beams are decode_step's hypotheses; reordering them moves the ancestor table
+    [batch, beams, positions] (which beam slot's cache rows hold each position of each hypothesis), never the
+    cache, which every layer would have to copy.
     """
     model = nnx.merge(graphdef, params)
-    batch, src_length = inputs.shape
-    beams, max_decode_length = beam_size, src_length + max_extra_length
-    cache_blocks = cache_blocks_for(cache_blocks, beams)
-    length = cache_length(max_decode_length, cache_blocks)
+    beams, max_decode_length = beam_size, inputs.shape[1] + max_extra_length
     limits = output_limits(inputs, max_extra_length)
-    encoded = model.encode(inputs)
-    # Self-attention rows: positions x beams (see _beam_step), in blocks; cross-attention at the batch size.
-    cache = model.init_cache(encoded, length * beams, cache_blocks)
-    cross_mask = (inputs != PAD_ID)[:, None, None, :]
-
-    def cross_from_scratch(cache, index):
-        # As flax's examples/wmt: every hypothesis recomputes its source's keys/values at every step (all beams'
-        # copies are computed; the step reads the first). The loop index through an optimization barrier keeps
-        # XLA from hoisting this out of the loop.
-        source = jax.lax.optimization_barrier((jnp.repeat(encoded, beams, axis=0), index))[0]
-        def first_beam(x):
-            return x.reshape(batch, beams, *x.shape[1:])[:, 0]
-        return [{**layer_cache, **{name: first_beam(x) for name, x in zip(
-                    ("cross_key", "cross_value"), to_cache_layout(*layer.cross_attention.keys_values(source)))}}
-                for layer, layer_cache in zip(model.decoder_layers, cache)]
+    cache = model.init_cache(model.encode(inputs), inputs, max_decode_length, hypotheses=beams,
+                             blocks=cache_blocks_for(cache_blocks, beams))
 
     def not_done(carry):
         return (carry["index"] < max_decode_length) & ~jnp.all(carry["done"])
 
     def step(carry):
-        index, cache = carry["index"], carry["cache"]
-        if recompute_cross_attention:
-            cache = cross_from_scratch(cache, index)
+        index = carry["index"]
         # Each slot's hypothesis sees its own slot at the position it writes now.
         ancestors = carry["ancestors"].at[:, :, index].set(jnp.arange(beams))
-        logits, cache = _beam_step(model, carry["tokens"], index, cache, ancestors, cross_mask)
+        logits, cache = model.decode_step(carry["tokens"], index, carry["cache"], history=ancestors)
         scores, from_beam, tokens = _top_extensions(logits, carry["live_scores"], index + 1 >= limits, 2 * beams)
         sequences = _gather_beams(carry["live_sequences"], from_beam)
         sequences = jax.lax.dynamic_update_slice(sequences, tokens[:, :, None], (0, 0, index))
@@ -418,15 +379,7 @@ def beam_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, be
                     live_scores=live_scores, live_sequences=live["sequences"], finished_scores=finished_scores,
                     finished_sequences=finished_sequences, finished_flags=finished_flags, done=done)
 
-    # Only beam 0 is live at the start, so the first step's K best come from K different tokens.
-    live_scores = jnp.tile(jnp.array([0.0] + [NEG_INF] * (beams - 1), jnp.float32), (batch, 1))
-    start = dict(index=jnp.int32(0), cache=cache, tokens=jnp.zeros((batch, beams), jnp.int32),
-                 ancestors=jnp.zeros((batch, beams, length), jnp.int32),
-                 live_scores=live_scores, live_sequences=jnp.zeros((batch, beams, max_decode_length), jnp.int32),
-                 finished_scores=jnp.full((batch, beams), NEG_INF, jnp.float32),
-                 finished_sequences=jnp.zeros((batch, beams, max_decode_length), jnp.int32),
-                 finished_flags=jnp.zeros((batch, beams), bool), done=limits == 0)
-    final = jax.lax.while_loop(not_done, step, start)
+    final = jax.lax.while_loop(not_done, step, _beam_start(cache, limits, beams, max_decode_length))
     sequences = jnp.where(final["finished_flags"][:, :, None], final["finished_sequences"], 0)
     return sequences, final["finished_scores"]
 
@@ -495,11 +448,6 @@ def make_search(graphdef: nnx.GraphDef, *, max_extra_length: int, beam_size: int
                            max_extra_length=max_extra_length, early_stopping=early_stopping,
                            cache_blocks=cache_blocks, penalty=penalty)
     return Search(jax.jit(beams), beam_size, True, alpha, penalty)
-
-
-def make_greedy_search(graphdef: nnx.GraphDef, max_extra_length: int) -> Search:
-    """`greedy_search` bound to one model and jitted: `search(params, inputs) -> output ids`."""
-    return make_search(graphdef, max_extra_length=max_extra_length)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 Array = jax.Array
-Cache = list[dict[str, Any]]  # per decoder layer: key, value (tuples of blocks), cross_key, cross_value (init_cache)
+Cache = dict[str, Any]  # Transformer.init_cache: the source mask and, per decoder layer, its keys and values
 
 POSITIONAL_ENCODINGS = ("sinusoidal", "learned")
 LAYER_NORMS = ("post", "pre")
@@ -200,77 +200,78 @@ def attention(implementation: str, query: Array, key: Array, value: Array, mask:
                                         implementation=implementation)
 
 
-def dot_product_attention(query: Array, key: Array, value: Array, mask: Array, dropout: nnx.Dropout, *,
-                          deterministic: bool, rngs: nnx.Rngs | None, fused: bool | None = None) -> Array:
-    """softmax(Q K^T / sqrt(d_k)) V with a boolean mask; softmax in float32.
+def dot_product_attention(query: Array, key: Array, value: Array, mask: Array, dropout: nnx.Dropout | None = None, *,
+                          deterministic: bool = True, rngs: nnx.Rngs | None = None) -> Array:
+    """softmax(Q K^T / sqrt(d_k)) V with a boolean mask; softmax in float32 (`head_major_attention` on these
+    operands). query [batch, q_length, heads, head_dim], key/value [batch, k_length, heads, head_dim],
+    mask [batch, 1, q_length, k_length] -> [batch, q_length, heads, head_dim]."""
+    attended = head_major_attention(jnp.transpose(query, (0, 2, 1, 3)), *to_cache_layout(key, value), mask, dropout,
+                                    deterministic=deterministic, rngs=rngs)
+    return jnp.transpose(attended, (0, 2, 1, 3))
 
-    query [batch, q_length, heads, head_dim], key/value [batch, k_length, heads, head_dim],
-    mask [batch, 1, q_length, k_length] -> [batch, q_length, heads, head_dim].
-    fused (default: q_length <= 8) computes both products as multiply-and-sum instead of einsum.
+
+def head_major_attention(query: Array, keys: Array, values: Array, mask: Array, dropout: nnx.Dropout | None = None, *,
+                         deterministic: bool = True, rngs: nnx.Rngs | None = None, normalize: bool = True
+                         ) -> Array | tuple[Array, Array, Array]:
+    """The one attention body, for training, teacher-forced passes and cached decoding alike: query [batch, heads,
+    q_length, head_dim], keys [batch, heads, head_dim, k_length] and values [batch, heads, k_length, head_dim] (the
+    caches' layout, to_cache_layout), mask [batch, 1, q_length, k_length] -> [batch, heads, q_length, head_dim].
+    normalize=False (no dropout) leaves the softmax unnormalised, for blocked_attention to join blocks: ->
+    (exp(logits - top) V float32, top, sum(exp(logits - top))), top being each row's largest logit [..., 1].
+
+    Head-major operands make both products batched matrix products in the layout XLA's CPU backend runs them
+    in, so a decoding cache is read where it lies (over [batch, length, heads, head_dim] views, XLA copied every
+    cache into another layout at every step).
     """
     query = query / jnp.sqrt(query.shape[-1]).astype(query.dtype)
-    # Beam search's cross-attention has a few queries per sentence (its beams: up to 8); any other pass this
-    # short (a short sentence, on any backend) takes the same path, with the same sums.
-    few = query.shape[1] <= 8 if fused is None else fused
-    if few:
-        # XLA's CPU backend runs these batched matrix-vector products as batch x heads tiny dots, several times
-        # slower than a fused multiply-and-sum; the sums are the same. Head-major operands (keys [batch, heads,
-        # head_dim, k_length], values [batch, heads, k_length, head_dim]) keep the summed axis off the contiguous
-        # one, so the sums vectorise: ~2x faster than summing along head_dim. Cached decoding stores its caches in
-        # this layout (Transformer.init_cache), so there these transposes cancel against the cache's view (the
-        # cross-attention of beam search; its self-attention reads the cache through `cached_attention`).
-        query = jnp.transpose(query, (0, 2, 1, 3)).astype(jnp.float32)  # [batch, heads, q_length, head_dim]
-        key = jnp.transpose(key, (0, 2, 3, 1)).astype(jnp.float32)
-        logits = jnp.sum(query[..., None] * key[:, :, None], axis=3)  # [batch, heads, q_length, k_length]
-    else:
-        logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("bhqd,bhdk->bhqk", query, keys.astype(query.dtype), preferred_element_type=jnp.float32)
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
-    weights = dropout(weights, deterministic=deterministic, rngs=rngs)
-    if few:
-        attended = jnp.sum(weights[..., None] * jnp.transpose(value, (0, 2, 1, 3))[:, :, None], axis=3)
-        return jnp.transpose(attended, (0, 2, 1, 3))
-    return jnp.einsum("bhqk,bkhd->bqhd", weights, value)
+    if not normalize:
+        top = jnp.max(logits, axis=-1, keepdims=True)
+        weights = jnp.exp(logits - top)
+        attended = jnp.einsum("bhqk,bhkd->bhqd", weights.astype(values.dtype), values,
+                              preferred_element_type=jnp.float32)
+        return attended, top, jnp.sum(weights, axis=-1, keepdims=True)
+    weights = jax.nn.softmax(logits, axis=-1).astype(values.dtype)
+    if dropout is not None:
+        weights = dropout(weights, deterministic=deterministic, rngs=rngs)
+    return jnp.einsum("bhqk,bhkd->bhqd", weights, values)
 
 
 def to_cache_layout(keys: Array, values: Array) -> tuple[Array, Array]:
     """keys, values [batch, length, heads, head_dim] -> keys [batch, heads, head_dim, length], values [batch, heads,
-    length, head_dim]: the head-major layout of decoding caches, the one dot_product_attention's few-query path
-    sums in, so a cache is never transposed per step."""
+    length, head_dim]: the head-major layout of head_major_attention and of the decoding caches."""
     return jnp.transpose(keys, (0, 2, 3, 1)), jnp.transpose(values, (0, 2, 1, 3))
 
 
-def from_cache_layout(keys: Array, values: Array) -> tuple[Array, Array]:
-    """The inverse of to_cache_layout: a [batch, length, heads, head_dim] view of cached keys and values (XLA
-    cancels it against the attention's own transposes)."""
-    return jnp.transpose(keys, (0, 3, 1, 2)), jnp.transpose(values, (0, 2, 1, 3))
+def blocked_attention(query: Array, key_blocks: tuple[Array, ...], value_blocks: tuple[Array, ...], mask: Array,
+                      last_row: Array | int) -> Array:
+    """head_major_attention over a decoding cache held in blocks (Transformer.init_cache): query [batch, heads,
+    q_length, head_dim]; key blocks [batch, heads, head_dim, n_i] and value blocks [batch, heads, n_i, head_dim];
+    mask [batch, 1, q_length, sum n_i] -> [batch, heads, q_length, head_dim]. No dropout.
 
-
-def cached_attention(query: Array, key_blocks: tuple[Array, ...], value_blocks: tuple[Array, ...], mask: Array
-                     ) -> Array:
-    """Scaled dot-product attention of a few queries over a decoding cache held in blocks (Transformer.init_cache):
-    query [batch, q_length, heads, head_dim]; key blocks [batch, heads, head_dim, n_i] and value blocks [batch,
-    heads, n_i, head_dim] (to_cache_layout); mask [batch, 1, q_length, >= sum n_i] (its first sum n_i columns are
-    read) -> [batch, q_length, heads, head_dim]. No dropout: decoding only.
-
-    The softmax is taken across the blocks without joining them (one max, exponentials per block, one sum), so a
-    search reads only the blocks written so far, each as a whole array. Whole blocks matter on XLA's CPU backend:
-    a slice of a larger cache is copied before the product, and the products over one cache of 160 rows ran 1.7x
-    slower than over the same rows in 4 blocks of 40 (a microbenchmark of 6 layers at 'base' shape: 64
-    sentences x 4 beams, 8 heads).
+    Each block is attended to alone and the results are joined into one softmax, so the blocks wholly
+    past `last_row` (the last row written so far, dynamic) are never read: one lax.switch on the count of blocks
+    written picks the branch that reads just those, each as a whole array (XLA's CPU backend copies a slice of an
+    array before a product, and a lax.cond per block made beam search slower than one switch).
     """
-    query = jnp.transpose(query / jnp.sqrt(query.shape[-1]).astype(query.dtype), (0, 2, 1, 3))  # [b, h, q, d]
-    scores, start = [], 0
-    for key in key_blocks:
-        block_scores = jnp.einsum("bhqd,bhdk->bhqk", query, key.astype(query.dtype), preferred_element_type=jnp.float32)
-        scores.append(jnp.where(mask[..., start:start + key.shape[-1]], block_scores, jnp.finfo(jnp.float32).min))
-        start += key.shape[-1]
-    top = functools.reduce(jnp.maximum, [jnp.max(block, axis=-1, keepdims=True) for block in scores])
-    weights = [jnp.exp(block - top) for block in scores]
-    total = sum(jnp.sum(block, axis=-1, keepdims=True) for block in weights)
-    attended = sum(jnp.einsum("bhqk,bhkd->bhqd", block.astype(value.dtype), value, preferred_element_type=jnp.float32)
-                   for block, value in zip(weights, value_blocks)) / total
-    return jnp.transpose(attended, (0, 2, 1, 3)).astype(query.dtype)
+    def read(count, query, key_blocks, value_blocks, mask):
+        if count == 1:
+            return head_major_attention(query, key_blocks[0], value_blocks[0], mask[..., :key_blocks[0].shape[-1]])
+        parts, start = [], 0
+        for keys, values in zip(key_blocks[:count], value_blocks[:count]):
+            parts.append(head_major_attention(query, keys, values, mask[..., start:start + keys.shape[-1]],
+                                              normalize=False))
+            start += keys.shape[-1]
+        top = functools.reduce(jnp.maximum, [block_top for _, block_top, _ in parts])
+        scales = [jnp.exp(block_top - top) for _, block_top, _ in parts]
+        total = sum(block_sum * scale for (_, _, block_sum), scale in zip(parts, scales))
+        return (sum(attended * scale for (attended, _, _), scale in zip(parts, scales)) / total).astype(values.dtype)
+
+    if len(key_blocks) == 1:
+        return read(1, query, key_blocks, value_blocks, mask)
+    branches = [functools.partial(read, count) for count in range(1, len(key_blocks) + 1)]
+    return jax.lax.switch(last_row // key_blocks[0].shape[-1], branches, query, key_blocks, value_blocks, mask)
 
 
 def write_cache_rows(blocks: tuple[Array, ...], rows: Array, axis: int, index: Array) -> tuple[Array, ...]:
@@ -319,20 +320,12 @@ class MultiHeadAttention(nnx.Module):
                              self.dropout, deterministic=deterministic, rngs=rngs)
         return self.output(attended.reshape(*x.shape[:-1], self.config.emb_dim))
 
-    def attend_cached(self, x: Array, key_blocks: tuple[Array, ...], value_blocks: tuple[Array, ...], mask: Array,
-                      last_block: Array | int) -> Array:
-        """As __call__, over keys/values held in cache blocks (cached_attention): only blocks 0..last_block
-        (dynamic) are read, through a lax.switch with one branch per count of blocks. Decoding always takes this
-        einsum path, whatever config.attention (it has no flash-attention form for a few queries)."""
-        query = self.split_heads(self.query(x))
-
-        def read(count, query, key_blocks, value_blocks, mask):
-            return cached_attention(query, key_blocks[:count], value_blocks[:count], mask)
-        if len(key_blocks) == 1:
-            attended = read(1, query, key_blocks, value_blocks, mask)
-        else:  # lax.switch clamps the index into range
-            branches = [functools.partial(read, count) for count in range(1, len(key_blocks) + 1)]
-            attended = jax.lax.switch(last_block, branches, query, key_blocks, value_blocks, mask)
+    def attend_cache(self, x: Array, key_blocks: tuple[Array, ...], value_blocks: tuple[Array, ...], mask: Array,
+                     last_row: Array | int = 0) -> Array:
+        """As __call__, over keys/values of a decoding cache (blocked_attention). Cached decoding always takes
+        this path, whatever config.attention: jax's kernels have no form for a few queries over a cache."""
+        query = jnp.transpose(self.split_heads(self.query(x)), (0, 2, 1, 3))
+        attended = jnp.transpose(blocked_attention(query, key_blocks, value_blocks, mask, last_row), (0, 2, 1, 3))
         return self.output(attended.reshape(*x.shape[:-1], self.config.emb_dim))
 
 
@@ -397,16 +390,24 @@ class DecoderLayer(nnx.Module):
         self.feed_forward = FeedForward(config, rngs=rngs)
         self.feed_forward_residual = Residual(config, rngs=rngs)
 
-    def __call__(self, x: Array, encoded: Array, self_mask: Array, cross_mask: Array, *, deterministic: bool,
+    def init_cache(self, encoded: Array, rows: int, blocks: int) -> dict[str, Any]:
+        """This layer's part of Transformer.init_cache: an empty self-attention cache of `rows` rows in `blocks`
+        equal arrays, and the cross-attention keys/values of encoded [batch, src_length, embed]."""
+        cross_key, cross_value = to_cache_layout(*self.cross_attention.keys_values(encoded))
+        batch, heads, head_dim, _ = cross_key.shape
+        length = rows // blocks
+        return {"key": tuple(jnp.zeros((batch, heads, head_dim, length), cross_key.dtype) for _ in range(blocks)),
+                "value": tuple(jnp.zeros((batch, heads, length, head_dim), cross_value.dtype) for _ in range(blocks)),
+                "cross_key": cross_key, "cross_value": cross_value}
+
+    def __call__(self, x: Array, encoded: Array | None, self_mask: Array, cross_mask: Array, *, deterministic: bool,
                  rngs: nnx.Rngs | None, cache: dict[str, Any] | None = None,
                  cache_index: Array | None = None) -> tuple[Array, dict[str, Any] | None]:
         """x [batch, length, embed], encoded [batch, src_length, embed] -> ([batch, length, embed], cache).
 
-        With a cache (Transformer.init_cache), x holds the new cache rows from `cache_index` on (one position of
-        one hypothesis, or in decode.beam_search the same position of each beam of a sentence; they must lie in
-        one of the cache's blocks): their keys/values are written into the cache and each query attends to the
-        cached rows its mask shows (never unwritten ones, and in beam search only its own hypothesis's);
-        cross-attention reuses the encoder keys/values computed once by `Transformer.init_cache`.
+        With a cache (init_cache), x holds the queries of cache rows cache_index ... cache_index + length - 1
+        (they lie in one block): their keys/values are written there, each query attends to the cache rows
+        self_mask shows it, and cross-attention reads the keys/values computed once by init_cache (encoded unused).
         """
         kw = dict(deterministic=deterministic, rngs=rngs)
 
@@ -416,25 +417,15 @@ class DecoderLayer(nnx.Module):
             if cache is None:
                 return self.self_attention(y, keys, values, self_mask, **kw)
             keys, values = to_cache_layout(keys, values)
-            key_blocks, value_blocks = write_cache_rows(cache["key"], keys, 3, cache_index), write_cache_rows(
-                cache["value"], values, 2, cache_index)
-            cache = {**cache, "key": key_blocks, "value": value_blocks}
-            block = cache_index // key_blocks[0].shape[-1]
-            return self.self_attention.attend_cached(y, key_blocks, value_blocks, self_mask, block)
+            cache = {**cache, "key": write_cache_rows(cache["key"], keys, 3, cache_index),
+                     "value": write_cache_rows(cache["value"], values, 2, cache_index)}
+            return self.self_attention.attend_cache(y, cache["key"], cache["value"], self_mask,
+                                                    cache_index + y.shape[1] - 1)
 
         def cross_attend(y):
-            if cache is not None and y.shape[1] == 1:
-                # One query per sentence (greedy search, sampling): as einsums over the cache. With the few-query
-                # multiply-and-sum, XLA materialised a broadcast of the keys at every step: this change alone made
-                # a 'base' greedy search 2.2x faster on CPU (docs/benchmarks.md). The beams of beam search keep
-                # the multiply-and-sum (~6% faster there).
-                return self.cross_attention.attend_cached(y, (cache["cross_key"],), (cache["cross_value"],),
-                                                          cross_mask, 0)
-            if cache is not None:
-                keys, values = from_cache_layout(cache["cross_key"], cache["cross_value"])
-            else:
-                keys, values = self.cross_attention.keys_values(encoded)
-            return self.cross_attention(y, keys, values, cross_mask, **kw)
+            if cache is None:
+                return self.cross_attention(y, *self.cross_attention.keys_values(encoded), cross_mask, **kw)
+            return self.cross_attention.attend_cache(y, (cache["cross_key"],), (cache["cross_value"],), cross_mask)
 
         x = self.self_attention_residual(x, self_attend, **kw)
         x = self.cross_attention_residual(x, cross_attend, **kw)
@@ -453,8 +444,7 @@ class LayerStack(nnx.Module):
 
     `scan` applies the layers in turn under one jax.lax.scan, so a step traces and compiles a single layer however
     deep the stack. Indexing and iterating give each layer as its own module, a view of its slice of the
-    parameters, so the per-layer loops of cached decoding (init_cache, decode_step, decode.beam_search) read a
-    stack as they read a list.
+    parameters, so cached decoding (init_cache, and run_layers with caches) reads a stack as it reads a list.
     """
 
     def __init__(self, layer: type[nnx.Module], config: ModelConfig, count: int, *, rngs: nnx.Rngs):
@@ -497,13 +487,18 @@ class LayerStack(nnx.Module):
         return jax.lax.scan(body, x, (state, keys))[0]
 
 
-def run_layers(layers: nnx.List | LayerStack, call, x: Array, rngs: nnx.Rngs | None) -> Array:
-    """x = call(layer, x, rngs) through each layer in turn: one lax.scan over a LayerStack, a loop over a list."""
-    if isinstance(layers, LayerStack):
-        return layers.scan(call, x, rngs=rngs)
-    for layer in layers:
-        x = call(layer, x, rngs)
-    return x
+def run_layers(layers: nnx.List | LayerStack, call, x: Array, rngs: nnx.Rngs | None,
+               caches: list | None = None) -> tuple[Array, list | None]:
+    """x, cache = call(layer, x, rngs, cache) through each layer in turn -> (x, the layers' new caches). Without
+    caches (None to each call): one lax.scan over a LayerStack, a loop over a list. With caches (cached decoding,
+    one per layer), a loop either way: a LayerStack gives each layer as a view of its slice."""
+    if caches is None and isinstance(layers, LayerStack):
+        return layers.scan(lambda layer, x, rngs: call(layer, x, rngs, None)[0], x, rngs=rngs), None
+    new_caches = []
+    for layer, cache in zip(layers, [None] * len(layers) if caches is None else caches, strict=True):
+        x, cache = call(layer, x, rngs, cache)
+        new_caches.append(cache)
+    return x, None if caches is None else new_caches
 
 
 def stack_layer_params(params: dict) -> dict:
@@ -524,7 +519,8 @@ def unstack_layer_params(params: dict) -> dict:
 
 
 class Transformer(nnx.Module):
-    """Encoder-decoder with shared embeddings: `encode`, `decode` (teacher-forced), `decode_step` (cached)."""
+    """Encoder-decoder with shared embeddings: `encode`, `decode` (teacher-forced), and for incremental decoding
+    `init_cache` and `decode_step`, which every search uses."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
@@ -553,9 +549,9 @@ class Transformer(nnx.Module):
         segmentation = segmentation_of(inputs, inputs_segmentation)
         mask = attention_mask(segmentation, segmentation)
         x = self.source_embedder(inputs, positions_of(inputs, inputs_position), deterministic=deterministic, rngs=rngs)
-        def layer_call(layer, x, rngs):
-            return self._maybe_remat(layer, deterministic)(x, mask, rngs=rngs)
-        x = run_layers(self.encoder_layers, layer_call, x, rngs)
+        def layer_call(layer, x, rngs, cache):
+            return self._maybe_remat(layer, deterministic)(x, mask, rngs=rngs), cache
+        x, _ = run_layers(self.encoder_layers, layer_call, x, rngs)
         return self.encoder_norm(x) if self.config.layer_norm == "pre" else x
 
     def decode(self, decoder_inputs: Array, encoded: Array, inputs: Array, *,
@@ -574,9 +570,20 @@ class Transformer(nnx.Module):
         cross_mask = attention_mask(targets_segmentation, source_segmentation)
         positions = positions_of(decoder_inputs, targets_position)
         x = self.target_embedder(decoder_inputs, positions, deterministic=deterministic, rngs=rngs)
-        def layer_call(layer, x, rngs):
-            return self._maybe_remat(layer, deterministic)(x, encoded, self_mask, cross_mask, rngs=rngs)[0]
-        return self.logits(run_layers(self.decoder_layers, layer_call, x, rngs))
+        x, _ = self._decoder_stack(x, encoded, self_mask, cross_mask, deterministic=deterministic, rngs=rngs)
+        return self.logits(x)
+
+    def _decoder_stack(self, x: Array, encoded: Array | None, self_mask: Array, cross_mask: Array, *,
+                       deterministic: bool, rngs: nnx.Rngs | None, caches: list | None = None,
+                       cache_index: Array | None = None) -> tuple[Array, list | None]:
+        """The decoder layers in turn, for `decode` (teacher-forced; under nnx.remat when config.remat) and
+        `decode_step` (with the layers' caches: see DecoderLayer)."""
+        def layer_call(layer, x, rngs, cache):
+            if cache is None:
+                return self._maybe_remat(layer, deterministic)(x, encoded, self_mask, cross_mask, rngs=rngs)
+            return layer(x, None, self_mask, cross_mask, deterministic=True, rngs=None, cache=cache,
+                         cache_index=cache_index)
+        return run_layers(self.decoder_layers, layer_call, x, rngs, caches)
 
     def _maybe_remat(self, layer: nnx.Module, deterministic: bool):
         """The layer's call, under nnx.remat when config.remat: its activations are recomputed in the backward
@@ -603,38 +610,38 @@ class Transformer(nnx.Module):
             return self.target_embedder.logits(x)
         return self.output_projection(x)  # accumulated in float32 (preferred_element_type)
 
-    def init_cache(self, encoded: Array, max_decode_length: int, blocks: int = 1) -> Cache:
-        """Per decoder layer: an empty self-attention key/value cache of max_decode_length positions, held in
-        `blocks` arrays of max_decode_length / blocks positions each (a step reads only the blocks written so far:
-        MultiHeadAttention.attend_cached), and the cross-attention keys/values of `encoded`, computed once for the
-        whole decode; all in `to_cache_layout` (keys [batch, heads, head_dim, length], values [batch, heads,
-        length, head_dim])."""
-        if blocks < 1 or max_decode_length % blocks:
-            raise ValueError(f"blocks={blocks} must be >= 1 and divide max_decode_length={max_decode_length}")
-        batch, heads, head_dim = encoded.shape[0], self.config.num_heads, self.config.head_dim
-        length = max_decode_length // blocks
-        cache = []
-        for layer in self.decoder_layers:
-            cross_key, cross_value = to_cache_layout(*layer.cross_attention.keys_values(encoded))
-            cache.append({"key": tuple(jnp.zeros((batch, heads, head_dim, length), cross_key.dtype)
-                                       for _ in range(blocks)),
-                          "value": tuple(jnp.zeros((batch, heads, length, head_dim), cross_value.dtype)
-                                         for _ in range(blocks)),
-                          "cross_key": cross_key, "cross_value": cross_value})
-        return cache
+    def init_cache(self, encoded: Array, inputs: Array, max_decode_length: int, *, hypotheses: int = 1,
+                   blocks: int = 1) -> Cache:
+        """The decoding cache of `hypotheses` hypotheses per source sentence (inputs [batch, src_length], encoded
+        its `encode`), each of up to max_decode_length positions: the source mask; per decoder layer the
+        cross-attention keys/values, computed once for the whole decode, and an empty self-attention cache of
+        hypotheses x positions rows, position-major (row t * hypotheses + j: position t of hypothesis j), in
+        to_cache_layout. The positions are rounded up to a multiple of `blocks`, the arrays each layer's rows
+        are held in; a step reads only the blocks written so far (blocked_attention)."""
+        if blocks < 1:
+            raise ValueError(f"blocks={blocks} must be >= 1")
+        rows = -(-max_decode_length // blocks) * blocks * hypotheses
+        return {"source_mask": (inputs != 0)[:, None, None, :],
+                "layers": [layer.init_cache(encoded, rows, blocks) for layer in self.decoder_layers]}
 
-    def decode_step(self, tokens: Array, cache_index: Array, cache: Cache, inputs: Array) -> tuple[Array, Cache]:
-        """One decoding position: tokens [batch] (the previous output, 0 at the start), cache_index a scalar ->
-        (logits [batch, vocab] float32, updated cache). `inputs` [batch, src_length] gives the source mask."""
-        max_decode_length = sum(block.shape[-1] for block in cache[0]["key"])
-        batch = tokens.shape[0]
-        self_mask = jnp.broadcast_to(jnp.arange(max_decode_length) <= cache_index, (batch, 1, 1, max_decode_length))
-        cross_mask = (inputs != 0)[:, None, None, :]
-        positions = jnp.full((batch, 1), cache_index, dtype=jnp.int32)
-        x = self.target_embedder(tokens[:, None], positions, deterministic=True, rngs=None)
-        new_cache = []
-        for layer, layer_cache in zip(self.decoder_layers, cache):
-            x, layer_cache = layer(x, None, self_mask, cross_mask, deterministic=True, rngs=None,
-                                   cache=layer_cache, cache_index=cache_index)
-            new_cache.append(layer_cache)
-        return self.logits(x)[:, 0], new_cache
+    def decode_step(self, tokens: Array, position: Array, cache: Cache, *,
+                    history: Array | None = None) -> tuple[Array, Cache]:
+        """One decoding position of every hypothesis: tokens [batch, hypotheses] (each one's previous output, 0 at
+        the start), position a scalar -> (logits [batch, hypotheses, vocab] float32, the cache with this
+        position's keys/values written).
+
+        history [batch, hypotheses, <= max_decode_length] int says, for each hypothesis and earlier position, which
+        hypothesis's rows hold it (default: its own), so a search that reorders its hypotheses (beam search) moves
+        this table rather than every layer's cache.
+        """
+        batch, count = tokens.shape
+        rows = sum(block.shape[-1] for block in cache["layers"][0]["key"])
+        if history is None:
+            history = jnp.broadcast_to(jnp.arange(count)[:, None], (batch, count, rows // count))
+        visible = (history[..., None] == jnp.arange(count)) & (jnp.arange(history.shape[-1]) <= position)[:, None]
+        self_mask = visible.reshape(batch, 1, count, -1)
+        self_mask = jnp.pad(self_mask, ((0, 0), (0, 0), (0, 0), (0, rows - self_mask.shape[-1])))
+        x = self.target_embedder(tokens, jnp.full(tokens.shape, position, jnp.int32), deterministic=True, rngs=None)
+        x, layers = self._decoder_stack(x, None, self_mask, cache["source_mask"], deterministic=True, rngs=None,
+                                        caches=cache["layers"], cache_index=position * count)
+        return self.logits(x), {**cache, "layers": layers}
