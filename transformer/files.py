@@ -76,13 +76,19 @@ def open_file(path: str, mode: str = "r"):
     return epath.Path(path).open(mode)
 
 
+def cache_root() -> str:
+    """The project's cache on this machine: $TRANSFORMER_CACHE_DIR (the tests set it to their session's directory),
+    else the user's XDG cache."""
+    return os.environ.get("TRANSFORMER_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "transformer")
+
+
 def local_directory(workdir: str, root: str = "") -> str:
     """Where the workdir's local files live: the workdir itself when it is local, else a mirror of its URL under
     `root` (default $TRANSFORMER_CACHE_DIR/workdirs or ~/.cache/transformer/workdirs)."""
     if is_local(workdir):
         return workdir
-    root = root or os.path.join(os.environ.get("TRANSFORMER_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "transformer"), "workdirs")
+    root = root or os.path.join(cache_root(), "workdirs")
     scheme, rest = os.fspath(workdir).split("://", 1)
     return os.path.join(root, scheme, rest.strip("/"))
 

@@ -28,6 +28,7 @@ import time
 import jax
 import numpy as np
 
+from transformer import files
 from transformer.model import ModelConfig
 
 # Dense bf16 peak FLOP/s per chip from the vendors' data sheets (no sparsity); float32 matmuls on GPUs run on
@@ -39,9 +40,7 @@ PEAK_BF16_FLOPS = (
     ("V100S", 130e12), ("V100", 125e12), ("TPU v6", 918e12), ("TPU v5p", 459e12), ("TPU v5 lite", 197e12),
     ("TPU v5e", 197e12), ("TPU v5", 459e12), ("TPU v4", 275e12), ("TPU v3", 123e12), ("TPU v2", 45e12),
 )  # JAX names v5p "TPU v5", v5e "TPU v5 lite" and v6e "TPU v6 lite"; the v5p/v5e rows catch other spellings.
-# TRANSFORMER_CACHE_DIR (the tests set it to their session's directory) or the XDG cache of the user.
-CACHE_FILE = os.path.join(os.environ.get("TRANSFORMER_CACHE_DIR") or os.path.join(
-    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "transformer"), "cpu_peak_flops.json")
+CACHE_FILE = os.path.join(files.cache_root(), "cpu_peak_flops.json")
 
 
 def model_flops(config: ModelConfig, *, source_tokens: float, target_tokens: float, encoder_pairs: float,
