@@ -119,7 +119,7 @@ def saved_model_config(workdir: str) -> ModelConfig:
     """The workdir's model as config.json describes it (its vocabulary size included): read before any restore."""
     config = trainer.load_workdir_config(workdir)
     with errors.as_config_error():
-        return trainer.Settings.from_config(config).model_config(int(config.data.vocab_size))
+        return trainer.Settings.from_config(config).model_config(int(config["data"]["vocab_size"]))
 
 
 # ----------------------------------------------------------------------------------------------------

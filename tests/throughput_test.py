@@ -22,7 +22,8 @@ from transformer.steps import attention_pairs, train_step
 SHAPES = {  # the two benchmark shapes: config, batch rows, source length, target length
     "small": (ModelConfig(vocab_size=8000, emb_dim=256, num_heads=4, num_encoder_layers=3, num_decoder_layers=3,
                           mlp_dim=1024), 64, 32, 32),
-    "base": (ModelConfig(vocab_size=32000), 32, 32, 32),
+    "base": (ModelConfig(vocab_size=32000, emb_dim=512, num_heads=8, num_encoder_layers=6, num_decoder_layers=6,
+                         mlp_dim=2048), 32, 32, 32),
 }
 
 

@@ -49,6 +49,13 @@ def section(name: str):
     return decorate
 
 
+def plain(config: Any) -> dict[str, Any]:
+    """A config as nested plain values, the form config.json holds: transformer/ reads these and dataclasses,
+    never a ConfigDict, so a config may come from a config file, a workdir's config.json or a test's dict."""
+    tree = config.to_dict() if isinstance(config, ConfigDict) else config
+    return {key: plain(value) if isinstance(value, (dict, ConfigDict)) else value for key, value in tree.items()}
+
+
 def find(path: str) -> str:
     """The config file `path` names (a `:argument` suffix kept), or a ConfigError naming every place looked."""
     file, sep, argument = path.partition(":")

@@ -52,7 +52,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from transformer import data, sharding
+from transformer import config_files, data, sharding
 from transformer.metrics import log
 from transformer.tokenizer import EOS_ID, PAD_ID, Tokenizer
 
@@ -62,24 +62,24 @@ PENALTIES = ("gnmt", "fairseq")
 NEG_INF = -1.0e7
 
 
-@dataclasses.dataclass(frozen=True)
+@config_files.section("decode")
 class DecodeConfig:
-    """Built from `config.decode`; see configs/default.py for each field's meaning."""
+    """Built from `config.decode`; configs/default.py holds each field's default and meaning."""
 
-    batch_size: int = 256
-    max_extra_length: int = 50
-    bleu_splits: str = "valid,test"
-    beam_size: int = 4
-    alpha: float = 0.6
-    length_penalty: str = "gnmt"
-    early_stopping: bool = True
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 0.0
-    average_last: int = 0
-    cache_blocks: int = 0
-    max_input_length: int = 0
-    max_tokens_per_batch: int = 16384
+    batch_size: int
+    max_extra_length: int
+    bleu_splits: str
+    beam_size: int
+    alpha: float
+    length_penalty: str
+    early_stopping: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    average_last: int
+    cache_blocks: int
+    max_input_length: int
+    max_tokens_per_batch: int
 
     def __post_init__(self):
         if self.batch_size <= 0:

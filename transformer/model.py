@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from transformer import config_files
+
 Array = jax.Array
 Cache = dict[str, Any]  # Transformer.init_cache: the source mask and, per decoder layer, its keys and values
 
@@ -40,34 +42,33 @@ def partitioned(init, *names: str | None):
     return nnx.with_partitioning(init, names, eager_sharding=False)
 
 
-@dataclasses.dataclass(frozen=True)
+@config_files.section("model")
 class ModelConfig:
-    """Every shape and rate of the model. Built from `config.model` plus the tokenizer's vocab_size."""
+    """Every shape and rate of the model: `config.model` (configs/default.py holds each field's default and
+    meaning) plus the tokenizer's vocab_size."""
 
     vocab_size: int
-    emb_dim: int = 512  # d_model
-    num_heads: int = 8  # h; d_k = d_v = emb_dim // num_heads
-    num_encoder_layers: int = 6
-    num_decoder_layers: int = 6
-    mlp_dim: int = 2048  # d_ff
-    dropout_rate: float = 0.1  # P_drop: embeddings and each sublayer's output before the residual add
-    attention_dropout_rate: float = 0.0  # on the attention weights (tensor2tensor's attention_dropout)
-    relu_dropout_rate: float = 0.0  # inside the feed-forward, after the ReLU (tensor2tensor's relu_dropout)
-    positional_encoding: str = "sinusoidal"  # or "learned"
-    max_length: int = 256  # table size of learned positions; sinusoids have no limit
-    layer_norm: str = "post"  # "post" as in the paper; "pre" adds a final LayerNorm to each stack
-    layer_norm_epsilon: float = 1e-6
-    share_embeddings: bool = True  # one embedding table for source and target
-    tie_output_embedding: bool = True  # the pre-softmax projection reuses the target embedding
-    dtype: str = "float32"  # compute dtype of the matmuls: float32 or bfloat16
-    attention: str = "reference"  # reference | xla | cudnn (see ATTENTION_IMPLEMENTATIONS)
-    remat: bool = False  # recompute each layer's activations in the backward pass (less memory, ~1/3 more compute)
+    emb_dim: int  # d_model
+    num_heads: int  # h; d_k = d_v = emb_dim // num_heads
+    num_encoder_layers: int
+    num_decoder_layers: int
+    mlp_dim: int  # d_ff
+    dropout_rate: float  # P_drop: embeddings and each sublayer's output before the residual add
+    attention_dropout_rate: float
+    relu_dropout_rate: float
+    positional_encoding: str
+    max_length: int
+    layer_norm: str
+    layer_norm_epsilon: float
+    share_embeddings: bool
+    tie_output_embedding: bool
+    dtype: str
+    attention: str  # one of ATTENTION_IMPLEMENTATIONS
+    remat: bool
     # Each stack's layers as one LayerStack (parameters with a leading `layers` axis) applied by one lax.scan, so
     # the train step compiles one layer per stack whatever the depth; the same model, another parameter layout.
-    scan_layers: bool = False
-    # 0: lecun-normal kernels (std fan_in^-0.5) and embeddings of std d^-0.5 (unit variance once scaled by
-    # sqrt(d)); > 0: every kernel and embedding drawn from N(0, init_std), as HF Marian / BART / BERT (0.02).
-    init_std: float = 0.0
+    scan_layers: bool
+    init_std: float
 
     def __post_init__(self):
         checks = [

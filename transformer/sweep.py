@@ -381,7 +381,7 @@ def is_done(point: Point, workdir: str) -> bool:
 
     saved = read_json(os.path.join(workdir, trainer.CONFIG_FILE))
     try:
-        trainer.check_resume_config(ml_collections.ConfigDict(saved or {}), point.config)
+        trainer.check_resume_config(saved or {}, point.config)
     except ValueError:
         return False
     return True

@@ -1,5 +1,5 @@
 """The training run behind train.py and the restore behind eval.py: build, compile once, loop, evaluate,
-checkpoint, resume. The ConfigDict stops here: everything below reads frozen dataclasses.
+checkpoint, resume. A config arrives as plain nested values (config_files.plain) and is read into frozen dataclasses here.
 """
 
 from __future__ import annotations
@@ -12,12 +12,11 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 
@@ -123,9 +122,11 @@ class Settings:
     mesh: sharding.MeshConfig = sharding.MeshConfig()
 
     @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict) -> "Settings":
+    def from_config(cls, config: Mapping[str, Any]) -> "Settings":
+        config = config_files.plain(config)
+
         def build(kind, section, **extra):
-            values = config[section].to_dict() if section in config else {}
+            values = config.get(section, {})
             known = [f.name for f in dataclasses.fields(kind) if f.name not in extra]
             unknown = sorted(set(values) - set(known))
             if unknown:  # name it, with the nearest known keys, rather than drop it
@@ -134,13 +135,13 @@ class Settings:
             with errors.as_config_error():
                 return kind(**values, **extra)
 
-        model = config.model.to_dict()
+        model = config.get("model", {})
         build(ModelConfig, "model", vocab_size=1)  # validates shapes before any data work
         unknown = sorted(set(config.keys()) - {"seed", *SECTIONS})
         if unknown:
             raise errors.ConfigError("; ".join(f"unknown top-level config key config.{key}" + errors.did_you_mean(
                 key, ["seed", *SECTIONS], "config.") for key in unknown))
-        settings = cls(seed=int(config.seed), data=build(data.DataConfig, "data"), model=model,
+        settings = cls(seed=int(config.get("seed", 0)), data=build(data.DataConfig, "data"), model=model,
                        optimizer=build(OptimizerConfig, "optimizer"), train=build(TrainConfig, "train"),
                        decode=build(decode.DecodeConfig, "decode"), mesh=build(sharding.MeshConfig, "mesh"))
         settings.decode.splits  # validates the split names now, before training
@@ -416,8 +417,8 @@ class Run:
     """One training run in one workdir: everything is validated and built in __init__, before any write
     that could replace an existing file; `train()` then runs the loop."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str):
-        self.config, self.workdir = config, workdir
+    def __init__(self, config: Mapping[str, Any], workdir: str):
+        self.config, self.workdir = config_files.plain(config), workdir
         self.is_writer = jax.process_index() == 0
         if not self.is_writer:  # one console: process 0's, from the first line on
             log.setLevel("WARNING")
@@ -429,12 +430,12 @@ class Run:
         self.warned_cut: set[str] = set()  # the splits whose cut sources have been named in the log
         self.lock = acquire_workdir(workdir)  # before anything reads or writes the workdir
         try:
-            self._start(config, workdir)
+            self._start(self.config, workdir)
         except BaseException:
             self.close()  # a refused start leaves the workdir as it found it, and free
             raise
 
-    def _start(self, config: ml_collections.ConfigDict, workdir: str) -> None:
+    def _start(self, config: dict[str, Any], workdir: str) -> None:
         settings = self.settings
         splits = ["train", "valid"] + [s for s in settings.decode.splits if s != "valid"]
         checkpoint_dir = os.path.join(workdir, "checkpoints")
@@ -977,17 +978,17 @@ def flatten(tree, prefix: str = "") -> dict[str, Any]:
     """A config as {"section.key": value} (tuples as lists, as config.json holds them)."""
     items = {}
     for key, value in tree.items():
-        if isinstance(value, (dict, ml_collections.ConfigDict)):
+        if isinstance(value, Mapping):
             items.update(flatten(value, f"{prefix}{key}."))
         else:
             items[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
     return items
 
 
-def check_resume_config(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict) -> list[str]:
+def check_resume_config(saved: Mapping[str, Any], config: Mapping[str, Any]) -> list[str]:
     """A resumed run must be the same run: refuse changes to the model, data, optimizer or seed. Returns the
     changes it allows (RESUMABLE_CHANGES) as "key: old -> new", for the log."""
-    old, new = flatten(saved), flatten(config)
+    old, new = flatten(config_files.plain(saved)), flatten(config_files.plain(config))
     for key in set(new) - set(old):  # a key added since the workdir was made: the run had its default
         old[key] = LEGACY_DEFAULTS.get(key, field_default(key))
     if new.get("data.vocab_path"):  # the file decides the size (saved_config), and its identity is checked apart
@@ -1002,18 +1003,18 @@ def check_resume_config(saved: ml_collections.ConfigDict, config: ml_collections
     return list(change.values())
 
 
-def saved_config(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> str:
+def saved_config(config: Mapping[str, Any], tokenizer: Tokenizer) -> str:
     """config.json: the run's config, with the vocabulary size the model has (data.vocab_path's file decides it)."""
-    saved = ml_collections.ConfigDict(config.to_dict())
-    saved.data.vocab_size = tokenizer.vocab_size
-    return saved.to_json(indent=2)
+    saved = config_files.plain(config)
+    saved["data"] = {**saved.get("data", {}), "vocab_size": tokenizer.vocab_size}
+    return json.dumps(saved, indent=2)
 
 
-def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
+def load_workdir_config(workdir: str) -> dict[str, Any]:
     path = os.path.join(workdir, CONFIG_FILE)
     if not files.exists(path):
         raise FileNotFoundError(f"{path} not found: --workdir must be a directory written by train.py")
-    return ml_collections.ConfigDict(json.loads(files.read_text(path)))
+    return files.read_json(path)
 
 
 @dataclasses.dataclass
@@ -1055,7 +1056,8 @@ def restore(workdir: str, step: int | None = None, *, average_last: int = 0, bes
     it (else data parallel). decode_overrides replace fields of the saved decode config (e.g. beam_size)."""
     config = load_workdir_config(workdir)
     if decode_overrides:
-        config.decode.update({key: value for key, value in decode_overrides.items() if value is not None})
+        config["decode"] = {**config.get("decode", {}),
+                            **{key: value for key, value in decode_overrides.items() if value is not None}}
     settings = Settings.from_config(config)
     names = [BEST_CHECKPOINT_DIR] if best else ["checkpoints", PARAMS_DIR]
     directories = [os.path.join(workdir, name) for name in names if files.is_dir(os.path.join(workdir, name))]
@@ -1108,7 +1110,7 @@ def restore_for_command_line(workdir: str, step: int | None, *, average_last: in
                              **decode_flags) -> Restored:
     """eval.py's and translate's one rule: every decoding flag left unset (None) takes the workdir config's decode
     value (decode.command_line_settings); a ValueError names a bad flag before anything is restored."""
-    average_last, overrides = decode.command_line_settings(load_workdir_config(workdir).decode, step=step,
+    average_last, overrides = decode.command_line_settings(load_workdir_config(workdir).get("decode", {}), step=step,
                                                            average_last=average_last, best=best, nbest=nbest,
                                                            **decode_flags)
     return restore(workdir, step, average_last=average_last, best=best, decode_overrides=overrides)
