@@ -100,7 +100,7 @@ def evaluate(restored: trainer.Restored, search: decode.Search, name: str, sourc
         result.update(metrics.all_scores(hypotheses, references, target_lang=restored.settings.data.target_lang))
         say(f"{name} BLEU {result['bleu']:.2f}  {result['signature']}")
         say(f"{name} chrF {result['chrf']:.2f}  {result['chrf_signature']}")
-        say(f"{name} paper BLEU (tokenized, compound-split) {result['paper_bleu']:.2f}")
+        say(f"{name} {metrics.paper_bleu_name(restored.settings.data.target_lang)} {result['paper_bleu']:.2f}")
     cut = f"; {decoded.cut} cut to {bound} tokens" if decoded.cut else ""
     say(f"{name}: {len(hypotheses)} sentences in {seconds:.1f}s ({result['sentences_per_second']:.1f} sentences/s, "
           f"{result['tokens_per_second']:.0f} tokens/s{cut})")

@@ -31,6 +31,7 @@ def get_config() -> ml_collections.ConfigDict:
     data.test_split = "test"  # ... of the test set (BLEU only; never used for selection)
     data.vocab_path = ""  # an existing sentencepiece model; empty: train one on the train split into the workdir
     data.vocab_size = 1000  # size of the joint source+target sentencepiece vocabulary
+    data.vocab_model_type = "unigram"  # sentencepiece's unigram LM | bpe (byte-pair merges, the paper's kind)
     data.vocab_character_coverage = 1.0  # sentencepiece character_coverage
     data.vocab_max_sentences = 1_000_000  # sentences sampled (seeded) from the whole train split for the vocabulary
     data.vocab_max_characters = 0  # ... and at most this many characters of them (0: no limit)

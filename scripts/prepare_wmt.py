@@ -5,6 +5,7 @@ Run it once on a machine with internet access; copy or mount the data_dir where 
 
     python scripts/prepare_wmt.py --data_dir=/data/tfds                             # wmt14_translate/de-en
     python scripts/prepare_wmt.py --data_dir=/data/tfds --datasets=wmt14_translate/de-en,wmt17_translate/de-en
+    python scripts/prepare_wmt.py --data_dir=/data/tfds --config=configs/base_enfr.py  # what that config reads
     python scripts/prepare_wmt.py --data_dir=/data/tfds --dry_run                   # what it would do; no download
 
 Direction: a WMT config names a language pair, not a direction (wmt14_translate/de-en holds examples
@@ -22,6 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 flags.DEFINE_string("data_dir", None, "TFDS data directory to prepare into (training's data.tfds_data_dir).")
 flags.DEFINE_list("datasets", ["wmt14_translate/de-en"], "TFDS translation configs, comma-separated.")
+flags.DEFINE_string("config", None, "A training config (e.g. configs/base_enfr.py): prepare the TFDS dataset it "
+                    "reads (its data.tfds_name) instead of --datasets.")
 flags.DEFINE_string("download_dir", None, "Where raw downloads go (default: <data_dir>/downloads).")
 flags.DEFINE_bool("dry_run", False, "Print each dataset's subsets, splits and sizes (as far as TFDS knows them "
                   "without downloading), and the command it would run; download nothing.")
@@ -46,6 +49,20 @@ def check_args(data_dir: str | None, datasets: list[str]) -> list[str]:
             raise PrepareError(f"--datasets names {name!r} without a config; translation datasets need one "
                                f"language pair, e.g. {name}/de-en")
     return names
+
+
+def config_dataset(config_path: str) -> str:
+    """The TFDS dataset a training config reads, or a PrepareError when it reads none."""
+    from transformer import config_files, errors, sweep
+
+    try:
+        config = sweep.load_config(config_files.find(config_path))
+    except errors.ConfigError as error:
+        raise PrepareError(str(error)) from error
+    if config.data.source != "tfds" or not config.data.tfds_name:
+        raise PrepareError(f"--config={config_path} reads data.source={config.data.source!r}, not a TFDS "
+                           "dataset: there is nothing to prepare")
+    return config.data.tfds_name
 
 
 def builder_for(name: str, data_dir: str):
@@ -84,7 +101,9 @@ def prepare(builder, download_dir: str | None) -> None:
 
 def main(argv):
     del argv
-    names = check_args(FLAGS.data_dir, FLAGS.datasets)
+    if FLAGS.config and FLAGS["datasets"].present:
+        raise PrepareError("--config and --datasets both name what to prepare: give one")
+    names = check_args(FLAGS.data_dir, [config_dataset(FLAGS.config)] if FLAGS.config else FLAGS.datasets)
     builders = [builder_for(name, FLAGS.data_dir) for name in names]  # every name checked before any download
     for name, builder in zip(names, builders):
         print(describe(builder))

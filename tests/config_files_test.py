@@ -26,7 +26,7 @@ def test_a_config_is_found_in_the_installed_configs_from_another_directory(tmp_p
 def test_a_missing_config_names_the_places_looked(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(errors.ConfigError, match=r"--config=configs/nope.py: no such file; looked at .*nope.py and "
-                                         r".*configs/nope.py \(the installed configs: base.py, big.py"):
+                                         r".*configs/nope.py \(the installed configs: base.py, .*big.py, .*multi30k.py"):
         config_files.find("configs/nope.py")
 
 

@@ -27,8 +27,8 @@ def load(name):
     return module.get_config("/some/text/dir") if name in ("multi30k", "europarl") else module.get_config()
 
 
-# Vaswani et al. 2017, Table 3: base 65M, big 213M parameters with a 37k vocabulary (32k here, shared embeddings).
-PAPER_PARAMETERS = {"base": (58e6, 65e6), "big": (200e6, 215e6)}
+# Vaswani et al. 2017, Table 3: base 65M, big 213M parameters with a 37k shared vocabulary, as these configs have.
+PAPER_PARAMETERS = {"base": 65e6, "big": 213e6}
 
 
 @pytest.mark.parametrize("name", CONFIG_NAMES)
@@ -40,8 +40,7 @@ def test_config_builds_under_eval_shape(name):
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     assert num_params > 0 and all(x.dtype == np.float32 for x in jax.tree.leaves(state.params))
     if name in PAPER_PARAMETERS:  # the paper's model sizes: layers, widths and embedding sharing as in the paper
-        low, high = PAPER_PARAMETERS[name]
-        assert low < num_params < high, num_params
+        assert abs(num_params / PAPER_PARAMETERS[name] - 1) < 0.05, num_params
 
 
 def test_every_setting_is_in_the_default_config_so_the_command_line_can_override_it():
@@ -81,7 +80,7 @@ def test_unknown_and_invalid_settings_fail_naming_the_key():
             Settings.from_config(config)
 
 
-LANGUAGES = {"English": "en", "German": "de", "Spanish": "es"}
+LANGUAGES = {"English": "en", "German": "de", "Spanish": "es", "French": "fr"}
 
 
 def documented_direction(name) -> tuple[str, str]:

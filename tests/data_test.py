@@ -298,6 +298,19 @@ def test_tokenizer_round_trips_and_appends_eos(tokenizer):
     assert tokenizer.decode(np.concatenate([ids, [0, 0]])) == "El gato negro duerme en el jardín."
 
 
+def test_the_vocabulary_model_is_the_configs_choice(tokenizer, tmp_path):
+    """data.vocab_model_type=bpe trains sentencepiece's BPE into the workdir: a model of merges, whose pieces
+    segment the corpus differently from the unigram model of the same size trained on the same sample."""
+    config = data.DataConfig(builtin_train_size=2000, vocab_size=300, vocab_model_type="bpe")
+    bpe = data.load_or_train_tokenizer(config, data.read_split(config, "train"), str(tmp_path))
+    assert (tokenizer.model_type, bpe.model_type, bpe.vocab_size) == ("unigram", "bpe", 300)
+    text = [source for source, _ in data.read_split(config, "valid")[:50]]
+    assert [bpe.decode(ids) for ids in bpe.encode(text)] == text
+    assert [list(ids) for ids in bpe.encode(text)] != [list(ids) for ids in tokenizer.encode(text)]
+    with pytest.raises(DataError, match="data.vocab_model_type='wordpiece' is not one of"):
+        data.DataConfig(vocab_model_type="wordpiece")
+
+
 def test_a_vocabulary_too_large_for_the_corpus_is_a_clear_error(tmp_path):
     path = tmp_path / "vocab.model"
     with pytest.raises(VocabularyError, match="vocab_size"):
@@ -308,8 +321,10 @@ def test_a_vocabulary_too_large_for_the_corpus_is_a_clear_error(tmp_path):
 def test_a_workdir_vocabulary_of_another_size_is_refused(tokenizer, tmp_path):
     os.link(tokenizer.path, tmp_path / "vocab.model")
     config = data.DataConfig(vocab_size=500)
-    with pytest.raises(DataError, match="300 pieces but data.vocab_size=500"):
+    with pytest.raises(DataError, match="unigram vocabulary of 300 pieces but .*data.vocab_size=500"):
         data.load_or_train_tokenizer(config, [], str(tmp_path))
+    with pytest.raises(DataError, match="unigram vocabulary of 300 pieces but data.vocab_model_type='bpe'"):
+        data.load_or_train_tokenizer(data.DataConfig(vocab_size=300, vocab_model_type="bpe"), [], str(tmp_path))
     assert Tokenizer(str(tmp_path / "vocab.model")).vocab_size == 300
 
 

@@ -77,6 +77,8 @@ def test_paper_tokenization_is_moses_then_compound_splitting():
     assert paper_tokenize("the well-known cat sat.", "de") == "the well ##AT##-##AT## known cat sat ."
     # perl's s{(\S)-(\S)}{...}g does not overlap matches: "a-b-c" splits once; Moses escapes & and ".
     assert paper_tokenize('a-b-c & "x"', "de") == 'a ##AT##-##AT## b-c &amp; &quot; x &quot;'
+    # The compound split is German's (the paper's en-fr BLEU is tokenized alone): French hyphens stay.
+    assert paper_tokenize("Est-ce un arc-en-ciel ?", "fr") == "Est-ce un arc-en-ciel ?"
 
 
 def test_paper_bleu_by_hand_on_known_strings():

@@ -15,7 +15,7 @@ import pytest
 from transformer import data, sharding, trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAPER_CONFIGS = ("base", "big")
+PAPER_CONFIGS = ("base", "big", "base_enfr", "big_enfr")
 
 
 def settings_of(name, **mesh):

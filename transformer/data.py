@@ -34,7 +34,7 @@ from absl import logging
 
 from transformer import config_files, corpus, sources
 from transformer.sources import DataError
-from transformer.tokenizer import Tokenizer, train_tokenizer
+from transformer.tokenizer import VOCAB_MODEL_TYPES, Tokenizer, train_tokenizer
 from transformer import files
 from transformer.workdir import VOCABULARY_FILE, VocabularyMismatchError, fingerprint
 
@@ -62,6 +62,7 @@ class DataConfig:
     test_split: str
     vocab_path: str
     vocab_size: int
+    vocab_model_type: str
     vocab_character_coverage: float
     vocab_max_sentences: int
     vocab_max_characters: int
@@ -84,6 +85,8 @@ class DataConfig:
                             f"data.max_length={self.max_length} tokens")
         if self.num_workers < 0:
             raise DataError(f"data.num_workers={self.num_workers} must be >= 0")
+        if self.vocab_model_type not in VOCAB_MODEL_TYPES:
+            raise DataError(f"data.vocab_model_type={self.vocab_model_type!r} is not one of {VOCAB_MODEL_TYPES}")
         if self.vocab_max_sentences <= 0 or self.vocab_max_characters < 0:
             raise DataError(f"data.vocab_max_sentences={self.vocab_max_sentences} must be > 0 and "
                             f"data.vocab_max_characters={self.vocab_max_characters} >= 0")
@@ -327,17 +330,18 @@ def load_or_train_tokenizer(config: DataConfig, train: SplitSource | list[tuple[
         wait_for_file(path, "vocabulary")
     if files.exists(path):  # written by an earlier start of this run: resume with the same ids
         tokenizer = local_tokenizer(path, local)
-        if tokenizer.vocab_size != config.vocab_size:
-            raise DataError(f"{path} has {tokenizer.vocab_size} pieces but data.vocab_size={config.vocab_size}: "
-                            "this workdir belongs to another run; use a new --workdir")
+        if (tokenizer.vocab_size, tokenizer.model_type) != (config.vocab_size, config.vocab_model_type):
+            raise DataError(f"{path} is a {tokenizer.model_type} vocabulary of {tokenizer.vocab_size} pieces but "
+                            f"data.vocab_model_type={config.vocab_model_type!r}, data.vocab_size={config.vocab_size}:"
+                            " this workdir belongs to another run; use a new --workdir")
         return tokenizer
     sentences = as_split_source(train, "train").sentences(os.path.join(os.path.dirname(local), "tokens"))
     start = time.perf_counter()
-    tokenizer = train_tokenizer(sentences, local, vocab_size=config.vocab_size,
+    tokenizer = train_tokenizer(sentences, local, vocab_size=config.vocab_size, model_type=config.vocab_model_type,
                                 character_coverage=config.vocab_character_coverage,
                                 max_sentences=config.vocab_max_sentences, max_characters=config.vocab_max_characters)
     files.publish(local, path)
-    logging.info("trained the vocabulary %s in %.1fs", path, time.perf_counter() - start)
+    logging.info("trained the %s vocabulary %s in %.1fs", config.vocab_model_type, path, time.perf_counter() - start)
     return tokenizer
 
 

@@ -50,12 +50,14 @@ def chrf(hypotheses: list[str], references: list[str]) -> dict[str, Any]:
 
 
 # The paper's BLEU is tensor2tensor's get_ende_bleu.sh: Moses tokenizer.perl -l <lang> (default options, so
-# XML special characters are escaped), then compounds put in ##AT## form with perl's s{(\S)-(\S)}{$1 ##AT##-##AT## $2}g,
+# XML special characters are escaped), then, for German only (the WMT en-de convention; the paper's en-fr score is
+# tokenized BLEU alone), compounds put in ##AT## form with perl's s{(\S)-(\S)}{$1 ##AT##-##AT## $2}g,
 # then multi-bleu.perl (cased, no smoothing, whitespace tokens). sacremoses is the Python port of tokenizer.perl;
 # sacreBLEU with tok 'none' and no smoothing computes multi-bleu.perl's corpus BLEU.
-PAPER_BLEU_METHOD = ("tensor2tensor get_ende_bleu.sh: sacremoses MosesTokenizer(lang).tokenize(escape=True), "
-                     "s/(\\S)-(\\S)/\\1 ##AT##-##AT## \\2/g, then cased BLEU without smoothing on whitespace tokens "
-                     "(multi-bleu.perl's)")
+COMPOUND_SPLIT_LANGS = ("de",)
+PAPER_TOKENIZE_METHOD = "sacremoses MosesTokenizer(lang).tokenize(escape=True)"
+COMPOUND_SPLIT_METHOD = "s/(\\S)-(\\S)/\\1 ##AT##-##AT## \\2/g"
+PAPER_BLEU_SCORE_METHOD = "cased BLEU without smoothing on whitespace tokens (multi-bleu.perl's)"
 _COMPOUND = re.compile(r"(\S)-(\S)")
 
 
@@ -66,18 +68,25 @@ def _moses(lang: str):
 
 
 def paper_tokenize(text: str, lang: str) -> str:
-    """Moses-tokenized, compound-split text: "ein Test-Fall." -> "ein Test ##AT##-##AT## Fall ."."""
-    return _COMPOUND.sub(r"\1 ##AT##-##AT## \2", _moses(lang).tokenize(text, escape=True, return_str=True))
+    """Moses-tokenized text, compound-split in German: "ein Test-Fall." -> "ein Test ##AT##-##AT## Fall ."."""
+    tokenized = _moses(lang).tokenize(text, escape=True, return_str=True)
+    return _COMPOUND.sub(r"\1 ##AT##-##AT## \2", tokenized) if lang in COMPOUND_SPLIT_LANGS else tokenized
+
+
+def paper_bleu_name(lang: str) -> str:
+    return "paper BLEU (tokenized, compound-split)" if lang in COMPOUND_SPLIT_LANGS else "paper BLEU (tokenized)"
 
 
 def paper_bleu(hypotheses: list[str], references: list[str], *, target_lang: str) -> dict[str, Any]:
-    """The paper's tokenized, compound-split BLEU (comparable to Vaswani et al. Table 2 for en->de)."""
+    """The paper's tokenized BLEU, compound-split for German (comparable to Vaswani et al. Table 2)."""
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
     metric = sacrebleu.metrics.BLEU(tokenize="none", smooth_method="none", force=True)
     score = metric.corpus_score([paper_tokenize(h, target_lang) for h in hypotheses],
                                 [[paper_tokenize(r, target_lang) for r in references]])
-    return {"paper_bleu": score.score, "paper_bleu_method": f"{PAPER_BLEU_METHOD}, lang {target_lang}"}
+    steps = [PAPER_TOKENIZE_METHOD] + ([COMPOUND_SPLIT_METHOD] if target_lang in COMPOUND_SPLIT_LANGS else [])
+    method = f"tensor2tensor get_ende_bleu.sh: {', '.join(steps)}, then {PAPER_BLEU_SCORE_METHOD}, lang {target_lang}"
+    return {"paper_bleu": score.score, "paper_bleu_method": method}
 
 
 def all_scores(hypotheses: list[str], references: list[str], *, target_lang: str) -> dict[str, Any]:

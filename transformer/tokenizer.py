@@ -5,6 +5,7 @@ Ids: 0 = padding (also the decoder's start symbol), 1 = end of sentence, 2 = unk
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import tempfile
@@ -14,6 +15,7 @@ import numpy as np
 import sentencepiece as spm
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
+VOCAB_MODEL_TYPES = ("unigram", "bpe")  # sentencepiece's two subword models (its char and word are not subwords)
 
 
 class VocabularyError(ValueError):
@@ -37,6 +39,14 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.processor.get_piece_size()
+
+    @functools.cached_property
+    def model_type(self) -> str:
+        """The sentencepiece model's kind ("unigram", "bpe", ...), as its trainer spec records it."""
+        from sentencepiece import sentencepiece_model_pb2 as model_pb2
+
+        proto = model_pb2.ModelProto.FromString(self.processor.serialized_model_proto())
+        return model_pb2.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type).lower()
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         """Each text -> int32 ids ending in EOS."""
@@ -73,9 +83,11 @@ def sample_sentences(sentences: Sequence[str], *, max_sentences: int, max_charac
     return sample
 
 
-def train_tokenizer(sentences: Sequence[str], model_path: str, *, vocab_size: int, character_coverage: float = 1.0,
-                    max_sentences: int = 1_000_000, max_characters: int = 0, seed: int = 0) -> Tokenizer:
-    """Train a unigram sentencepiece model on a seeded sample of `sentences` and write `model_path`.
+def train_tokenizer(sentences: Sequence[str], model_path: str, *, vocab_size: int, model_type: str = "unigram",
+                    character_coverage: float = 1.0, max_sentences: int = 1_000_000, max_characters: int = 0,
+                    seed: int = 0) -> Tokenizer:
+    """Train a sentencepiece model (`model_type` unigram or bpe) on a seeded sample of `sentences` and write
+    `model_path`.
 
     The file is written to a temporary name and renamed, so a failure leaves no partial model behind.
     """
@@ -85,7 +97,7 @@ def train_tokenizer(sentences: Sequence[str], model_path: str, *, vocab_size: in
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size, model_type="unigram",
+            sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size, model_type=model_type,
             character_coverage=character_coverage, pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=-1,
             input_sentence_size=max_sentences, shuffle_input_sentence=True, num_threads=os.cpu_count() or 1,
             minloglevel=2)
