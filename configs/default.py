@@ -37,6 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
     data.vocab_max_characters = 0  # ... and at most this many characters of them (0: no limit)
     data.max_length = 64  # tokens per packed row; training pairs longer than this on either side are dropped
     data.tokens_per_batch = 2048  # token budget per step and side (all processes): rows = tokens_per_batch // max_length
+    data.pack = True  # several pairs per row (segments never see each other); false: one pair per row
     data.num_workers = 0  # grain worker processes that tokenize the train split and pack batches (0: in-process)
     data.local_cache_dir = ""  # a gs:// workdir's local copies (token cache, vocabulary); empty: ~/.cache/transformer
 
@@ -58,6 +59,14 @@ def get_config() -> ml_collections.ConfigDict:
     model.tie_output_embedding = True  # pre-softmax projection = target embedding transposed
     model.dtype = "float32"  # compute dtype of the matmuls: float32 | bfloat16 (parameters stay float32)
     model.attention = "reference"  # reference (ours, any backend) | xla | cudnn (flash attention, GPU + bfloat16)
+    # The attention of each kind of sublayer (docs/attention.md): dense (the paper's) | local (the keys within
+    # model.local_window positions: the paper's restricted self-attention) | linformer (keys and values projected
+    # along the length to model.linformer_length rows; one sentence per row: data.pack=false)
+    model.encoder_attention = "dense"  # dense | local | linformer
+    model.decoder_attention = "dense"  # dense | local (itself and the window's r positions before it)
+    model.cross_attention = "dense"  # dense
+    model.local_window = 16  # r of local attention: keys at distance <= r (a decoding cache of r + 1 positions)
+    model.linformer_length = 32  # k of linformer: the projected length (inputs up to model.max_length tokens)
     model.remat = False  # recompute each layer in the backward pass: less activation memory, ~1/3 more compute
     model.scan_layers = False  # one lax.scan per stack, params [layers, ...]: compile time flat in depth (another layout)
     model.init_std = 0.0  # 0: lecun-normal kernels, N(0, d^-0.5) embeddings; > 0: all N(0, init_std) (Marian: 0.02)

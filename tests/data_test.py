@@ -92,6 +92,14 @@ def test_first_fit_places_every_pair_once_without_overflow():
             assert lengths[row, 0].sum() <= 24 and lengths[row, 1].sum() <= 24
 
 
+def test_without_packing_each_row_holds_one_pair():
+    """data.pack=false (linformer's rows): one pair per row, every pair once, in order, batches still full."""
+    lengths = np.array(RANDOM_LENGTHS)
+    batches = data.first_fit(lengths[:, 0], lengths[:, 1], rows=4, max_length=24, pack=False)
+    assert [row for batch in batches for row in batch] == [[p] for p in range(len(lengths))]
+    assert all(len(batch) == 4 for batch in batches[:-1])
+
+
 def stream(cache, start_state=None, count=12, num_workers=0):
     iterator = iter(data.train_dataset(cache, np.arange(len(cache)), seed=1, max_length=32, rows_per_batch=8,
                                        num_workers=num_workers, chunk_batches=2))

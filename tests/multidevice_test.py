@@ -1,7 +1,8 @@
 """Sharded training on 8 fake CPU devices. Needs XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX
 starts, so sharding_test.py runs this module in a subprocess; in the ordinary 1-device session it is skipped.
 
-Fast: an accumulated step on (2,2,2) equals the big batch on (1,1,1); parameters are born sharded; a
+Fast: an accumulated step on (2,2,2) equals the big batch on (1,1,1), and so does a step of each attention kind;
+parameters are born sharded; a
 checkpoint saved on one mesh restores onto another. Slow: one step with dropout on (8,1,1), (2,4,1), (2,2,2)
 equals (1,1,1); accumulation over 4 slices on (2,1,1); bfloat16 trains.
 """
@@ -52,8 +53,9 @@ def setup(mesh_sizes, model=MODEL, num_microbatches=1):
 
 
 @functools.cache
-def one_step(mesh_sizes, num_microbatches=1, dropout_rate=0.1):
-    model = dataclasses.replace(MODEL, dropout_rate=dropout_rate)
+def one_step(mesh_sizes, num_microbatches=1, dropout_rate=0.1, kind="dense"):
+    model = dataclasses.replace(MODEL, dropout_rate=dropout_rate, encoder_attention=kind,
+                                decoder_attention="dense" if kind == "linformer" else kind, local_window=3)
     state, train, batch_sharding, _, _ = setup(mesh_sizes, model, num_microbatches)
     born = jax.tree.map(lambda x: (x.sharding, x.addressable_shards[0].data.shape), state)  # before donation
     state, metrics = train(state, sharding.place_batch(make_batch(), batch_sharding))
@@ -78,6 +80,14 @@ def test_an_accumulated_step_on_2x2x2_equals_the_big_batch_on_one_device():
 @pytest.mark.parametrize("mesh_sizes", MESHES[:3])
 def test_one_step_with_dropout_on_a_mesh_equals_one_device(mesh_sizes):
     assert_same_step(one_step(mesh_sizes), one_step((1, 1, 1)))
+
+
+@pytest.mark.parametrize("kind", ["local", "linformer"])
+def test_each_attention_kind_steps_on_2x2x2_as_on_one_device(kind):
+    """Rows of 12 tokens (one sentence each) against a window of 3 or a projection to 32 rows: the kind's own
+    computation (local's blocks, linformer's projection), sharded over data, fsdp and tensor, gives the one-device
+    step."""
+    assert_same_step(one_step((2, 2, 2), dropout_rate=0.0, kind=kind), one_step((1, 1, 1), dropout_rate=0.0, kind=kind))
 
 
 def test_parameters_and_moments_are_born_sharded_by_their_logical_names():

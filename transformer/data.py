@@ -68,6 +68,7 @@ class DataConfig:
     vocab_max_characters: int
     max_length: int
     tokens_per_batch: int
+    pack: bool
     num_workers: int
     local_cache_dir: str
 
@@ -656,9 +657,10 @@ class LengthFilter:
 
 
 def first_fit(input_lengths: np.ndarray, target_lengths: np.ndarray, *, rows: int, max_length: int,
-              max_misses: int = 16) -> list[list[list[int]]]:
+              max_misses: int = 16, pack: bool = True) -> list[list[list[int]]]:
     """Pack pairs (given by their lengths, in order) into batches of `rows` rows of max_length tokens per
-    side: each pair goes to the first row where both sides fit. A pair that fits nowhere waits for the next
+    side: each pair goes to the first row where both sides fit (pack=False: the first empty row, one pair per
+    row). A pair that fits nowhere waits for the next
     batch; a batch closes after max_misses such pairs in a row. Every pair lands in exactly one row; the
     last batch may hold fewer rows. Returns batches -> rows -> pair positions."""
     batches, waiting, position, count = [], [], 0, len(input_lengths)
@@ -674,6 +676,8 @@ def first_fit(input_lengths: np.ndarray, target_lengths: np.ndarray, *, rows: in
             else:
                 break
             fits = (free_inputs >= input_lengths[pair]) & (free_targets >= target_lengths[pair])
+            if not pack:
+                fits &= free_inputs == max_length
             row = int(fits.argmax())
             if fits[row]:
                 contents[row].append(pair)
@@ -712,11 +716,12 @@ def assemble(cache: TokenCache, rows: list[list[int]], num_rows: int, max_length
     return batch
 
 
-def eval_batches(cache: TokenCache, kept: np.ndarray, *, max_length: int, rows_per_batch: int) -> list[Batch]:
+def eval_batches(cache: TokenCache, kept: np.ndarray, *, max_length: int, rows_per_batch: int,
+                 pack: bool = True) -> list[Batch]:
     """The pairs `kept` of a cache, in order, packed as training packs them; every batch has the same shape
     (the last is padded with empty rows)."""
     batches = first_fit(cache.lengths("inputs")[kept], cache.lengths("targets")[kept], rows=rows_per_batch,
-                        max_length=max_length)
+                        max_length=max_length, pack=pack)
     return [assemble(cache, [[int(kept[p]) for p in row] for row in batch], rows_per_batch, max_length)
             for batch in batches]
 
@@ -733,8 +738,8 @@ class PackChunk:
     partly padding. Picklable: the cache pickles as its path."""
 
     def __init__(self, cache: TokenCache, kept: np.ndarray, *, seed: int, shard: "Shard", rows: int,
-                 max_length: int, chunk_pairs: int):
-        self.cache, self.kept, self.seed, self.shard = cache, kept, seed, shard
+                 max_length: int, chunk_pairs: int, pack: bool = True):
+        self.cache, self.kept, self.seed, self.shard, self.pack = cache, kept, seed, shard, pack
         self.rows, self.max_length, self.chunk_pairs = rows, max_length, chunk_pairs  # rows: global per batch
         self.local_rows = local_rows(rows, shard)
         self.chunks_per_epoch = -(-len(kept) // chunk_pairs)
@@ -754,7 +759,7 @@ class PackChunk:
         epoch, index = divmod(int(chunk), self.chunks_per_epoch)
         pairs = self.order(epoch)[index * self.chunk_pairs:(index + 1) * self.chunk_pairs]
         batches = first_fit(self.cache.lengths("inputs")[pairs], self.cache.lengths("targets")[pairs],
-                            rows=self.rows, max_length=self.max_length)
+                            rows=self.rows, max_length=self.max_length, pack=self.pack)
         first = self.shard.index * self.local_rows  # this process's block of rows of each global batch
         return [assemble(self.cache, [[int(pairs[p]) for p in row] for row in batch[first:first + self.local_rows]],
                          self.local_rows, self.max_length)
@@ -818,7 +823,8 @@ def local_rows(rows_per_batch: int, shard: Shard) -> int:
 
 
 def train_dataset(cache: TokenCache, kept: np.ndarray, *, seed: int, max_length: int, rows_per_batch: int,
-                  shard: Shard = Shard(), num_workers: int = 0, chunk_batches: int = 64) -> grain.IterDataset:
+                  shard: Shard = Shard(), num_workers: int = 0, chunk_batches: int = 64,
+                  pack: bool = True) -> grain.IterDataset:
     """Endless packed batches [rows_per_batch / shard.count, max_length] of this process's shard.
 
     grain gives the random access by chunk, the worker processes and the checkpointable state. Packing is
@@ -827,11 +833,11 @@ def train_dataset(cache: TokenCache, kept: np.ndarray, *, seed: int, max_length:
     if len(kept) == 0:
         raise DataError("no training pairs left after length filtering; raise data.max_length")
     mean_length = float(np.maximum(cache.lengths("inputs")[kept], cache.lengths("targets")[kept]).mean())
-    chunk_pairs = max(int(chunk_batches * rows_per_batch * max_length / mean_length), 1)
-    pack = PackChunk(cache, kept, seed=seed, shard=shard, rows=rows_per_batch, max_length=max_length,
-                     chunk_pairs=chunk_pairs)
+    chunk_pairs = max(int(chunk_batches * rows_per_batch * (max_length / mean_length if pack else 1)), 1)
+    packer = PackChunk(cache, kept, seed=seed, shard=shard, rows=rows_per_batch, max_length=max_length,
+                       chunk_pairs=chunk_pairs, pack=pack)
     # num_threads=0: chunks are computed from memory; reader threads would only contend for the GIL.
-    dataset = grain.MapDataset.range(2**62).map(pack).to_iter_dataset(grain.ReadOptions(num_threads=0))
+    dataset = grain.MapDataset.range(2**62).map(packer).to_iter_dataset(grain.ReadOptions(num_threads=0))
     if num_workers:
         dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
     return Flatten(dataset)

@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from transformer import config_files
 
@@ -34,6 +34,10 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # reference: our own einsum + softmax below (supports attention dropout); xla / cudnn:
 # jax.nn.dot_product_attention with that implementation (cudnn = flash attention, GPU and bf16/fp16 only).
 ATTENTION_IMPLEMENTATIONS = ("reference", "xla", "cudnn")
+# The attention kinds each sublayer may take (ModelConfig.encoder_attention, ...): not every kind has a meaning
+# everywhere (a window over another sentence's positions, in cross-attention, has none).
+ATTENTION_KINDS = {"encoder_attention": ("dense", "local", "linformer"), "decoder_attention": ("dense", "local"),
+                   "cross_attention": ("dense",)}
 
 
 def partitioned(init, *names: str | None):
@@ -64,6 +68,11 @@ class ModelConfig:
     tie_output_embedding: bool
     dtype: str
     attention: str  # one of ATTENTION_IMPLEMENTATIONS
+    encoder_attention: str  # the kind of each sublayer's attention: one of ATTENTION_KINDS
+    decoder_attention: str
+    cross_attention: str
+    local_window: int
+    linformer_length: int
     remat: bool
     # Each stack's layers as one LayerStack (parameters with a leading `layers` axis) applied by one lax.scan, so
     # the train step compiles one layer per stack whatever the depth; the same model, another parameter layout.
@@ -90,6 +99,10 @@ class ModelConfig:
              f"scan_layers=True needs at least one layer per stack, got num_encoder_layers={self.num_encoder_layers}, "
              f"num_decoder_layers={self.num_decoder_layers}"),
         ]
+        for field, kinds in ATTENTION_KINDS.items():
+            checks.append((getattr(self, field) in kinds, f"{field}={getattr(self, field)!r} is not one of {kinds}"))
+        checks.append((self.local_window >= 1, f"local_window={self.local_window} must be >= 1"))
+        checks.append((self.linformer_length >= 1, f"linformer_length={self.linformer_length} must be >= 1"))
         for rate_name in ("dropout_rate", "attention_dropout_rate", "relu_dropout_rate"):
             rate = getattr(self, rate_name)
             checks.append((0.0 <= rate < 1.0, f"{rate_name}={rate} must be in [0, 1)"))
@@ -103,8 +116,10 @@ class ModelConfig:
 
     @property
     def position_limit(self) -> int | None:
-        """Longest input the positions can represent: the learned table's size; sinusoids have no limit."""
-        return self.max_length if self.positional_encoding == "learned" else None
+        """Longest input the model can represent: the learned table's size, or linformer's projected length's
+        columns; sinusoids alone have no limit."""
+        limited = self.positional_encoding == "learned" or self.encoder_attention == "linformer"
+        return self.max_length if limited else None
 
     @property
     def compute_dtype(self) -> Any:
@@ -128,6 +143,19 @@ def positions_of(tokens: Array, positions: Array | None) -> Array:
     if positions is not None:
         return positions
     return jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
+
+
+@struct.dataclass
+class SelfMask:
+    """A self-attention mask by its parts, segmentation [batch, length] (0: padding) and causality, rather than as
+    the [batch, 1, length, length] matrix: a kind that never forms the whole matrix (local) builds only the
+    blocks it reads; `dense()` is the matrix for the others."""
+
+    segmentation: Array
+    causal: bool = struct.field(pytree_node=False, default=False)
+
+    def dense(self) -> Array:
+        return attention_mask(self.segmentation, self.segmentation, causal=self.causal)
 
 
 def attention_mask(query_segmentation: Array, key_segmentation: Array, causal: bool = False) -> Array:
@@ -188,9 +216,19 @@ class Embedder(nnx.Module):
         return jnp.einsum("ble,ve->blv", x, table, preferred_element_type=jnp.float32)
 
 
-def attention(implementation: str, query: Array, key: Array, value: Array, mask: Array, dropout: nnx.Dropout, *,
-              deterministic: bool, rngs: nnx.Rngs | None) -> Array:
-    """Scaled dot-product attention by `implementation` (ModelConfig.attention); same shapes as below."""
+def attention(implementation: str, query: Array, key: Array, value: Array, mask: Array | SelfMask,
+              dropout: nnx.Dropout, *, deterministic: bool, rngs: nnx.Rngs | None, kind: str = "dense",
+              window: int = 0) -> Array:
+    """Scaled dot-product attention of `kind` (ATTENTION_KINDS) by `implementation` (ModelConfig.attention); same
+    shapes as dot_product_attention. jax's kernels take a local kind as their local_window_size, which has our
+    window's meaning (keys at distance <= window on each side the mask allows)."""
+    window_size = None
+    if kind == "local":
+        if implementation == "reference":
+            return local_attention(query, key, value, mask, window, dropout, deterministic=deterministic, rngs=rngs)
+        window_size = (window, 0 if mask.causal else window)
+    if isinstance(mask, SelfMask):
+        mask = mask.dense()
     if implementation == "reference":
         return dot_product_attention(query, key, value, mask, dropout, deterministic=deterministic, rngs=rngs)
     if implementation == "cudnn" and jax.default_backend() != "gpu":
@@ -198,7 +236,7 @@ def attention(implementation: str, query: Array, key: Array, value: Array, mask:
                          "backend: use model.attention='xla' or 'reference'")
     # jax's kernels take the mask as [batch, heads or 1, q_length, k_length], like ours; softmax is float32 inside.
     return jax.nn.dot_product_attention(query, key.astype(query.dtype), value.astype(query.dtype), mask=mask,
-                                        implementation=implementation)
+                                        local_window_size=window_size, implementation=implementation)
 
 
 def dot_product_attention(query: Array, key: Array, value: Array, mask: Array, dropout: nnx.Dropout | None = None, *,
@@ -209,6 +247,42 @@ def dot_product_attention(query: Array, key: Array, value: Array, mask: Array, d
     attended = head_major_attention(jnp.transpose(query, (0, 2, 1, 3)), *to_cache_layout(key, value), mask, dropout,
                                     deterministic=deterministic, rngs=rngs)
     return jnp.transpose(attended, (0, 2, 1, 3))
+
+
+def local_attention(query: Array, key: Array, value: Array, mask: SelfMask, window: int,
+                    dropout: nnx.Dropout | None = None, *, deterministic: bool = True,
+                    rngs: nnx.Rngs | None = None) -> Array:
+    """Self-attention restricted to a neighbourhood (the paper's section 4): each query sees the keys of its own
+    segment at distance <= window (causal: itself and the window positions before it). The sequence is cut into
+    blocks of `window` queries, each attending to its own block and its neighbours' (the one before; causal: and
+    not the one after), so time and memory grow as length * window, never length^2. Same shapes as
+    dot_product_attention, with the mask by its parts; softmax in float32."""
+    batch, length, _, head_dim = query.shape
+    size = min(window, length)  # queries per block; a window past the length reaches every key from one block
+    count, pad = -(-length // size), -length % size
+    reach = (1, 0) if mask.causal else (1, 1)  # neighbouring blocks read before and after
+
+    def blocks(x):  # [batch, length, ...] -> [batch, count, size, ...]; the padding is segment 0, never seen
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return x.reshape(batch, count, size, *x.shape[2:])
+
+    def around(x):  # [batch, count, size, ...] -> [batch, count, (1 + sum(reach)) * size, ...]
+        x = jnp.pad(x, [(0, 0), reach] + [(0, 0)] * (x.ndim - 2))
+        return jnp.concatenate([x[:, i:i + count] for i in range(1 + sum(reach))], axis=2)
+
+    distance = jnp.arange(size)[:, None] - jnp.arange(-size, (1 + reach[1]) * size)[None, :]  # query - key
+    band = (distance <= window) & (distance >= (0 if mask.causal else -window))
+    query_segment, key_segment = blocks(mask.segmentation)[..., :, None], around(blocks(mask.segmentation))
+    allowed = band & (query_segment == key_segment[..., None, :]) & (key_segment[..., None, :] != 0)
+    query = blocks(query) / jnp.sqrt(head_dim).astype(query.dtype)
+    logits = jnp.einsum("bcqhd,bckhd->bchqk", query, around(blocks(key)).astype(query.dtype),
+                        preferred_element_type=jnp.float32)
+    logits = jnp.where(allowed[:, :, None], logits, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
+    if dropout is not None:
+        weights = dropout(weights, deterministic=deterministic, rngs=rngs)
+    attended = jnp.einsum("bchqk,bckhd->bcqhd", weights, around(blocks(value)))
+    return attended.reshape(batch, count * size, *attended.shape[3:])[:, :length]
 
 
 def head_major_attention(query: Array, keys: Array, values: Array, mask: Array, dropout: nnx.Dropout | None = None, *,
@@ -298,14 +372,19 @@ class MultiHeadAttention(nnx.Module):
     Projections have no bias, as in tensor2tensor.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        self.config = config
+    def __init__(self, config: ModelConfig, kind: str = "dense", *, rngs: nnx.Rngs):
+        self.config, self.kind = config, kind
         dim, dtype = config.emb_dim, config.compute_dtype
         def linear(*names):
             return nnx.Linear(dim, dim, use_bias=False, dtype=dtype, kernel_init=config.kernel_init(*names), rngs=rngs)
         self.query, self.key, self.value = linear("embed", "heads"), linear("embed", "heads"), linear("embed", "heads")
         self.output = linear("heads", "embed")
         self.dropout = nnx.Dropout(config.attention_dropout_rate)
+        if kind == "linformer":  # E and F of Wang et al. 2020, shared by the heads: [max_length, linformer_length]
+            shape = (config.max_length, config.linformer_length)
+            init = config.kernel_init(None, None)
+            self.key_projection = nnx.Param(init(rngs.params(), shape, jnp.float32))
+            self.value_projection = nnx.Param(init(rngs.params(), shape, jnp.float32))
 
     def split_heads(self, x: Array) -> Array:
         return x.reshape(*x.shape[:-1], self.config.num_heads, self.config.head_dim)
@@ -314,12 +393,26 @@ class MultiHeadAttention(nnx.Module):
         """[batch, length, embed] -> keys and values, each [batch, length, heads, head_dim]."""
         return self.split_heads(self.key(x)), self.split_heads(self.value(x))
 
-    def __call__(self, x: Array, keys: Array, values: Array, mask: Array, *, deterministic: bool,
+    def __call__(self, x: Array, keys: Array, values: Array, mask: Array | SelfMask, *, deterministic: bool,
                  rngs: nnx.Rngs | None) -> Array:
         """Queries from x [batch, q_length, embed] over given keys/values -> [batch, q_length, embed]."""
+        if self.kind == "linformer":
+            keys, values, mask = self.project(keys, values, mask)
         attended = attention(self.config.attention, self.split_heads(self.query(x)), keys, values, mask,
-                             self.dropout, deterministic=deterministic, rngs=rngs)
+                             self.dropout, deterministic=deterministic, rngs=rngs, kind=self.kind,
+                             window=self.config.local_window)
         return self.output(attended.reshape(*x.shape[:-1], self.config.emb_dim))
+
+    def project(self, keys: Array, values: Array, mask: SelfMask) -> tuple[Array, Array, Array]:
+        """Linformer: keys and values [batch, length, heads, head_dim] projected along the length to
+        linformer_length rows, padding positions zeroed first so that they add nothing; every query sees every
+        projected row. One sentence per row (Settings refuses packing): the projection mixes positions."""
+        length, dtype = keys.shape[1], keys.dtype
+        real = (mask.segmentation != 0)[:, :, None, None].astype(dtype)
+        def projected(x, table):
+            return jnp.einsum("blhd,lk->bkhd", x * real, table[:length].astype(dtype))
+        keys, values = projected(keys, self.key_projection[...]), projected(values, self.value_projection[...])
+        return keys, values, jnp.ones((keys.shape[0], 1, 1, keys.shape[1]), bool)
 
     def attend_cache(self, x: Array, key_blocks: tuple[Array, ...], value_blocks: tuple[Array, ...], mask: Array,
                      last_row: Array | int = 0) -> Array:
@@ -368,13 +461,13 @@ class Residual(nnx.Module):
 
 class EncoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        self.self_attention = MultiHeadAttention(config, rngs=rngs)
+        self.self_attention = MultiHeadAttention(config, config.encoder_attention, rngs=rngs)
         self.self_attention_residual = Residual(config, rngs=rngs)
         self.feed_forward = FeedForward(config, rngs=rngs)
         self.feed_forward_residual = Residual(config, rngs=rngs)
 
-    def __call__(self, x: Array, mask: Array, *, deterministic: bool, rngs: nnx.Rngs | None) -> Array:
-        """x [batch, length, embed], mask [batch, 1, length, length] -> [batch, length, embed]."""
+    def __call__(self, x: Array, mask: SelfMask, *, deterministic: bool, rngs: nnx.Rngs | None) -> Array:
+        """x [batch, length, embed] -> [batch, length, embed]."""
         kw = dict(deterministic=deterministic, rngs=rngs)
         def attend(y):
             return self.self_attention(y, *self.self_attention.keys_values(y), mask, **kw)
@@ -384,9 +477,9 @@ class EncoderLayer(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        self.self_attention = MultiHeadAttention(config, rngs=rngs)
+        self.self_attention = MultiHeadAttention(config, config.decoder_attention, rngs=rngs)
         self.self_attention_residual = Residual(config, rngs=rngs)
-        self.cross_attention = MultiHeadAttention(config, rngs=rngs)
+        self.cross_attention = MultiHeadAttention(config, config.cross_attention, rngs=rngs)
         self.cross_attention_residual = Residual(config, rngs=rngs)
         self.feed_forward = FeedForward(config, rngs=rngs)
         self.feed_forward_residual = Residual(config, rngs=rngs)
@@ -547,8 +640,7 @@ class Transformer(nnx.Module):
     def encode(self, inputs: Array, *, inputs_segmentation: Array | None = None, inputs_position: Array | None = None,
                deterministic: bool = True, rngs: nnx.Rngs | None = None) -> Array:
         """inputs [batch, src_length] int -> encoded [batch, src_length, embed]."""
-        segmentation = segmentation_of(inputs, inputs_segmentation)
-        mask = attention_mask(segmentation, segmentation)
+        mask = SelfMask(segmentation_of(inputs, inputs_segmentation))
         x = self.source_embedder(inputs, positions_of(inputs, inputs_position), deterministic=deterministic, rngs=rngs)
         def layer_call(layer, x, rngs, cache):
             return self._maybe_remat(layer, deterministic)(x, mask, rngs=rngs), cache
@@ -567,7 +659,7 @@ class Transformer(nnx.Module):
         source_segmentation = segmentation_of(inputs, inputs_segmentation)
         if targets_segmentation is None:
             targets_segmentation = jnp.ones_like(decoder_inputs)
-        self_mask = attention_mask(targets_segmentation, targets_segmentation, causal=True)
+        self_mask = SelfMask(targets_segmentation, causal=True)
         cross_mask = attention_mask(targets_segmentation, source_segmentation)
         positions = positions_of(decoder_inputs, targets_position)
         x = self.target_embedder(decoder_inputs, positions, deterministic=deterministic, rngs=rngs)
@@ -618,10 +710,15 @@ class Transformer(nnx.Module):
         cross-attention keys/values, computed once for the whole decode, and an empty self-attention cache of
         hypotheses x positions rows, position-major (row t * hypotheses + j: position t of hypothesis j), in
         to_cache_layout. The positions are rounded up to a multiple of `blocks`, the arrays each layer's rows
-        are held in; a step reads only the blocks written so far (blocked_attention)."""
+        are held in; a step reads only the blocks written so far (blocked_attention). With local decoder
+        self-attention the cache is a ring of the window's local_window + 1 positions (one block), overwritten in
+        turn: its memory does not grow with the output's length."""
         if blocks < 1:
             raise ValueError(f"blocks={blocks} must be >= 1")
-        rows = -(-max_decode_length // blocks) * blocks * hypotheses
+        positions = max_decode_length
+        if self.config.decoder_attention == "local" and self.config.local_window + 1 < max_decode_length:
+            positions, blocks = self.config.local_window + 1, 1
+        rows = -(-positions // blocks) * blocks * hypotheses
         return {"source_mask": (inputs != 0)[:, None, None, :],
                 "layers": [layer.init_cache(encoded, rows, blocks) for layer in self.decoder_layers]}
 
@@ -636,13 +733,20 @@ class Transformer(nnx.Module):
         this table rather than every layer's cache.
         """
         batch, count = tokens.shape
-        rows = sum(block.shape[-1] for block in cache["layers"][0]["key"])
-        if history is None:
-            history = jnp.broadcast_to(jnp.arange(count)[:, None], (batch, count, rows // count))
-        visible = (history[..., None] == jnp.arange(count)) & (jnp.arange(history.shape[-1]) <= position)[:, None]
-        self_mask = visible.reshape(batch, 1, count, -1)
-        self_mask = jnp.pad(self_mask, ((0, 0), (0, 0), (0, 0), (0, rows - self_mask.shape[-1])))
+        slots = sum(block.shape[-1] for block in cache["layers"][0]["key"]) // count  # positions the cache holds
+        # The cache is a ring of `slots` positions (as many as the decode's, unless local attention keeps fewer):
+        # the position each slot holds after this step's write, negative where none has been written.
+        held = position - (position - jnp.arange(slots)) % slots
+        written = held >= 0
+        if self.config.decoder_attention == "local":
+            written &= held >= position - self.config.local_window
+        if history is None:  # each hypothesis's rows are its own: [1, count, slots, count]
+            owner = jnp.broadcast_to(jnp.arange(count)[None, :, None], (1, count, slots))
+        else:  # the hypothesis whose rows hold each slot's position, for each hypothesis: [batch, count, slots]
+            owner = jnp.take(history, jnp.maximum(held, 0), axis=2)
+        visible = written[:, None] & (owner[..., None] == jnp.arange(count))
+        self_mask = jnp.broadcast_to(visible, (batch, count, slots, count)).reshape(batch, 1, count, slots * count)
         x = self.target_embedder(tokens, jnp.full(tokens.shape, position, jnp.int32), deterministic=True, rngs=None)
         x, layers = self._decoder_stack(x, None, self_mask, cache["source_mask"], deterministic=True, rngs=None,
-                                        caches=cache["layers"], cache_index=position * count)
+                                        caches=cache["layers"], cache_index=position % slots * count)
         return self.logits(x), {**cache, "layers": layers}

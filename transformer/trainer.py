@@ -136,7 +136,7 @@ class Settings:
                 return kind(**values, **extra)
 
         model = config.get("model", {})
-        build(ModelConfig, "model", vocab_size=1)  # validates shapes before any data work
+        shapes = build(ModelConfig, "model", vocab_size=1)  # validates shapes before any data work
         unknown = sorted(set(config.keys()) - {"seed", *SECTIONS})
         if unknown:
             raise errors.ConfigError("; ".join(f"unknown top-level config key config.{key}" + errors.did_you_mean(
@@ -147,9 +147,13 @@ class Settings:
         settings.decode.splits  # validates the split names now, before training
         if settings.seed < 0:
             raise ValueError(f"config.seed={settings.seed} must be >= 0")
-        if model.get("positional_encoding") == "learned" and model.get("max_length", 0) < settings.data.max_length:
-            raise ValueError(f"model.max_length={model.get('max_length')} (the learned position table) is shorter "
-                             f"than data.max_length={settings.data.max_length}")
+        if shapes.encoder_attention == "linformer" and settings.data.pack:
+            raise ValueError("model.encoder_attention='linformer' projects keys and values along the length, mixing "
+                             "the positions of a row, so it takes one sentence per row: set data.pack=false")
+        if shapes.position_limit is not None and shapes.position_limit < settings.data.max_length:
+            table = "the learned position table" if shapes.positional_encoding == "learned" else "linformer's projection"
+            raise ValueError(f"model.max_length={shapes.max_length} ({table}) is shorter than "
+                             f"data.max_length={settings.data.max_length}")
         return settings
 
     def model_config(self, vocab_size: int) -> ModelConfig:
@@ -512,7 +516,7 @@ class Run:
 
     def evaluate_loss(self, evaluate) -> dict[str, float]:
         batches = data.eval_batches(self.corpus.valid, self.corpus.valid_kept, max_length=self.settings.data.max_length,
-                                    rows_per_batch=self.batch.rows)
+                                    rows_per_batch=self.batch.rows, pack=self.settings.data.pack)
         outputs = [evaluate(self.state.params, sharding.place_batch(batch, self.batch_sharding)) for batch in batches]
         summary = summarize(jax.device_get(outputs))
         return {key: summary[key] for key in ("loss", "accuracy", "perplexity", "target_tokens")}
@@ -784,7 +788,8 @@ class Run:
         settings = self.settings.data
         iterator = iter(data.train_dataset(
             self.corpus.train_cache, self.corpus.train_kept, seed=self.settings.seed, max_length=settings.max_length,
-            rows_per_batch=self.batch.rows, shard=data.Shard.of_process(), num_workers=settings.num_workers))
+            rows_per_batch=self.batch.rows, shard=data.Shard.of_process(), num_workers=settings.num_workers,
+            pack=settings.pack))
         if self.data_state is not None:
             data.restore_iterator(iterator, self.data_state)
         elif start_step:  # a checkpoint written before the data state was saved: the stream is deterministic

@@ -1,0 +1,208 @@
+"""The attention kinds against the dense reference (model.encoder_attention, decoder_attention, cross_attention).
+
+local: a window of r positions (the paper's restricted self-attention), computed in blocks; equal to dense when
+the window covers the row, to dense under a band mask otherwise, and to jax's own local_window_size; in a model,
+cached decoding (a ring of r + 1 positions) equals the teacher-forced pass, padding changes no real position,
+packed rows equal separate sentences, and beam search's scores are the teacher-forced log-probabilities.
+
+linformer: keys and values projected along the length (encoder self-attention, one sentence per row); padding
+changes no real position, cached decoding equals the teacher-forced pass, and what it cannot do is refused at
+config time, by name."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import default
+from transformer.decode import beam_search, length_penalty
+from transformer.trainer import Settings
+from transformer.model import ModelConfig, SelfMask, Transformer, attention, local_attention
+from transformer.tokenizer import EOS_ID
+
+# Rows of 11: two sentences then padding; one filling the row; three short ones (lengths not a multiple of r).
+SEGMENTS = jnp.array([[1, 1, 1, 1, 2, 2, 2, 2, 2, 0, 0], [1] * 11, [1, 1, 2, 2, 2, 3, 3, 3, 3, 3, 0]])
+
+
+def operands(seed=0, shape=(3, 11, 2, 8)):
+    return [jax.random.normal(key, shape) for key in jax.random.split(jax.random.key(seed), 3)]
+
+
+def dense(query, key, value, mask):
+    return attention("reference", query, key, value, mask, None, deterministic=True, rngs=None)
+
+
+def real(x):
+    return np.asarray(x)[np.asarray(SEGMENTS != 0)]  # padding queries see nothing: their output is unused
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [11, 40])
+def test_local_with_a_window_past_the_length_equals_dense(causal, window):
+    query, key, value = operands()
+    mask = SelfMask(SEGMENTS, causal=causal)
+    local = jax.jit(local_attention, static_argnums=4)(query, key, value, mask, window)
+    np.testing.assert_allclose(real(local), real(dense(query, key, value, mask.dense())), atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_local_equals_dense_under_a_band_mask(causal, window):
+    """Blocks of r queries over their neighbours' keys give what the whole matrix gives under |i - j| <= r
+    (causal: 0 <= i - j <= r), within each sentence of a packed row; and a window this short does change the
+    output, so the band is really applied."""
+    query, key, value = operands(1)
+    mask = SelfMask(SEGMENTS, causal=causal)
+    distance = jnp.arange(11)[:, None] - jnp.arange(11)[None, :]
+    band = (distance <= window) & (distance >= (0 if causal else -window))
+    local = jax.jit(local_attention, static_argnums=4)(query, key, value, mask, window)
+    np.testing.assert_allclose(real(local), real(dense(query, key, value, mask.dense() & band)), atol=1e-5)
+    assert np.abs(real(local) - real(dense(query, key, value, mask.dense()))).max() > 1e-2
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_local_agrees_with_jaxs_local_window_size(causal):
+    """jax.nn.dot_product_attention's local_window_size (the xla kernel here, cuDNN's on a GPU) has the same
+    window: the left and right sizes are not swapped, and the segment mask still applies."""
+    query, key, value = operands(2)
+    mask = SelfMask(SEGMENTS, causal=causal)
+    kw = dict(deterministic=True, rngs=None, kind="local", window=2)
+    ours = attention("reference", query, key, value, mask, None, **kw)
+    jaxs = attention("xla", query, key, value, mask, None, **kw)
+    np.testing.assert_allclose(real(jaxs), real(ours), atol=1e-5)
+
+
+def test_a_kind_where_it_has_no_meaning_is_refused_at_config_time():
+    with pytest.raises(ValueError, match=r"cross_attention='local' is not one of \('dense',\)"):
+        ModelConfig(vocab_size=40, cross_attention="local")
+    with pytest.raises(ValueError, match="local_window=0 must be >= 1"):
+        ModelConfig(vocab_size=40, encoder_attention="local", local_window=0)
+
+
+LOCAL = ModelConfig(vocab_size=40, emb_dim=32, num_heads=4, num_encoder_layers=2, num_decoder_layers=2, mlp_dim=64,
+                    encoder_attention="local", decoder_attention="local", local_window=2)
+INPUTS = jnp.array([[5, 6, 7, 8, 9, 10, 11, 1, 0], [9, 10, 1, 0, 0, 0, 0, 0, 0]])
+DECODER_INPUTS = jnp.array([[0, 11, 12, 13, 14, 15, 16, 17, 1], [0, 15, 16, 1, 0, 0, 0, 0, 0]])
+
+
+@pytest.fixture(scope="module")
+def local_model():
+    return Transformer(LOCAL, rngs=nnx.Rngs(0))
+
+
+@nnx.jit
+def apply(model, inputs, decoder_inputs, packing=None):
+    return model(inputs, decoder_inputs, **(packing or {}))
+
+
+def test_a_local_model_differs_from_the_dense_one_with_the_same_parameters(local_model):
+    dense_model = Transformer(dataclasses.replace(LOCAL, encoder_attention="dense", decoder_attention="dense"),
+                              rngs=nnx.Rngs(0))
+    difference = np.abs(apply(local_model, INPUTS, DECODER_INPUTS) - apply(dense_model, INPUTS, DECODER_INPUTS))
+    assert difference.max() > 1e-2  # the windows are in force (2 positions of 9)
+
+
+@pytest.mark.parametrize("hypotheses", [1, 3])
+def test_local_cached_decoding_in_a_ring_equals_the_teacher_forced_pass(local_model, hypotheses):
+    """9 positions through a cache of r + 1 = 3: each step overwrites the oldest position, which no query of the
+    window still sees; hypotheses decoded together keep their own rows."""
+    targets = jnp.stack([DECODER_INPUTS, DECODER_INPUTS[::-1], DECODER_INPUTS.at[:, 4:].set(7)][:hypotheses], axis=1)
+
+    @nnx.jit
+    def steps(model, targets):
+        cache = model.init_cache(model.encode(INPUTS), INPUTS, targets.shape[-1], hypotheses=targets.shape[1])
+        assert cache["layers"][0]["key"][0].shape[-1] == 3 * targets.shape[1]  # the ring, not the 9 positions
+        logits = []
+        for index in range(targets.shape[-1]):
+            step_logits, cache = model.decode_step(targets[..., index], jnp.int32(index), cache)
+            logits.append(step_logits)
+        return jnp.stack(logits, axis=2)
+    together = steps(local_model, targets)
+    for hypothesis in range(hypotheses):
+        np.testing.assert_allclose(together[:, hypothesis], apply(local_model, INPUTS, targets[:, hypothesis]),
+                                   atol=1e-4)
+
+
+def test_local_padding_changes_no_real_position(local_model):
+    logits = apply(local_model, INPUTS, DECODER_INPUTS)
+    padded = apply(local_model, jnp.pad(INPUTS, ((0, 0), (0, 5))), jnp.pad(DECODER_INPUTS, ((0, 0), (0, 4))))
+    np.testing.assert_allclose(padded[:, :9], logits, atol=1e-5)
+
+
+def test_local_packed_rows_equal_separate_sentences(local_model):
+    source_a, source_b = jnp.array([5, 6, 7, 8, 9, 1]), jnp.array([9, 10, 11, 1])
+    target_a, target_b = jnp.array([0, 11, 12, 13, 14]), jnp.array([0, 15, 16, 17, 18])
+    packing = dict(inputs_segmentation=jnp.array([[1] * 6 + [2] * 4]),
+                   inputs_position=jnp.array([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3]]),
+                   targets_segmentation=jnp.array([[1] * 5 + [2] * 5]),
+                   targets_position=jnp.array([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4]]))
+    packed = apply(local_model, jnp.concatenate([source_a, source_b])[None],
+                   jnp.concatenate([target_a, target_b])[None], packing)[0]
+    np.testing.assert_allclose(packed[:5], apply(local_model, source_a[None], target_a[None])[0], atol=1e-4)
+    np.testing.assert_allclose(packed[5:], apply(local_model, source_b[None], target_b[None])[0], atol=1e-4)
+
+
+def test_local_beam_scores_equal_teacher_forced_log_probs(local_model):
+    """Beam search reorders its beams through the ancestor table; with a ring cache the table still names, for
+    each position of the window, the beam slot whose rows hold it."""
+    graphdef, params = nnx.split(local_model)
+    params = nnx.to_pure_dict(params)
+    search = jax.jit(beam_search, static_argnames=("graphdef", "beam_size", "alpha", "max_extra_length"))
+    sequences, scores = search(params, INPUTS, graphdef=graphdef, beam_size=3, alpha=0.6, max_extra_length=6)
+    for row in range(2):
+        outputs = np.asarray(sequences[row])
+        lengths = np.array([list(s).index(EOS_ID) + 1 if EOS_ID in s else len(s) for s in outputs])
+        decoder_inputs = jnp.pad(jnp.asarray(outputs), ((0, 0), (1, 0)))[:, :-1]
+        logits = apply(local_model, jnp.repeat(INPUTS[row:row + 1], 3, axis=0), decoder_inputs)
+        token_log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.asarray(outputs)[..., None], -1)[..., 0]
+        log_probs = np.array([float(token_log_probs[i, :lengths[i]].sum()) for i in range(3)])
+        np.testing.assert_allclose(scores[row], log_probs / length_penalty(lengths, 0.6), rtol=1e-5, atol=1e-5)
+
+
+LINFORMER = dataclasses.replace(LOCAL, encoder_attention="linformer", decoder_attention="dense", linformer_length=4,
+                                max_length=16)
+
+
+@pytest.fixture(scope="module")
+def linformer_model():
+    return Transformer(LINFORMER, rngs=nnx.Rngs(0))
+
+
+def test_linformer_padding_changes_no_real_position(linformer_model):
+    """Padding keys and values are zeroed before the projection: a row padded to the longest input the
+    projection takes gives the same logits."""
+    logits = apply(linformer_model, INPUTS, DECODER_INPUTS)
+    padded = apply(linformer_model, jnp.pad(INPUTS, ((0, 0), (0, 7))), DECODER_INPUTS)
+    np.testing.assert_allclose(padded, logits, atol=1e-5)
+
+
+def test_linformer_cached_decoding_equals_the_teacher_forced_pass(linformer_model):
+    @nnx.jit
+    def steps(model):
+        cache = model.init_cache(model.encode(INPUTS), INPUTS, DECODER_INPUTS.shape[1])
+        logits = []
+        for index in range(DECODER_INPUTS.shape[1]):
+            step_logits, cache = model.decode_step(DECODER_INPUTS[:, index, None], jnp.int32(index), cache)
+            logits.append(step_logits[:, 0])
+        return jnp.stack(logits, axis=1)
+    np.testing.assert_allclose(steps(linformer_model), apply(linformer_model, INPUTS, DECODER_INPUTS), atol=1e-4)
+
+
+def test_linformer_is_refused_where_it_cannot_work_naming_why():
+    with pytest.raises(ValueError, match="decoder_attention='linformer' is not one of"):
+        ModelConfig(vocab_size=40, decoder_attention="linformer")
+    assert LINFORMER.position_limit == 16  # longer inputs are cut to it, like any over-long input
+    config = default.get_config()
+    config.model.encoder_attention = "linformer"
+    with pytest.raises(ValueError, match="one sentence per row: set data.pack=false"):
+        Settings.from_config(config)
+    config.data.pack = False
+    config.model.max_length = 32
+    with pytest.raises(ValueError, match=r"model.max_length=32 \(linformer's projection\) is shorter than "
+                                         "data.max_length=64"):
+        Settings.from_config(config)
+    config.model.max_length = 64
+    assert Settings.from_config(config).model["encoder_attention"] == "linformer"
