@@ -660,8 +660,7 @@ def first_fit(input_lengths: np.ndarray, target_lengths: np.ndarray, *, rows: in
               max_misses: int = 16, pack: bool = True) -> list[list[list[int]]]:
     """Pack pairs (given by their lengths, in order) into batches of `rows` rows of max_length tokens per
     side: each pair goes to the first row where both sides fit (pack=False: the first empty row, one pair per
-    row). A pair that fits nowhere waits for the next
-    batch; a batch closes after max_misses such pairs in a row. Every pair lands in exactly one row; the
+    row). A pair that fits nowhere waits for the next batch; a batch closes after max_misses such pairs in a row. Every pair lands in exactly one row; the
     last batch may hold fewer rows. Returns batches -> rows -> pair positions."""
     batches, waiting, position, count = [], [], 0, len(input_lengths)
     while waiting or position < count:

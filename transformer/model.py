@@ -466,7 +466,7 @@ class EncoderLayer(nnx.Module):
         self.feed_forward = FeedForward(config, rngs=rngs)
         self.feed_forward_residual = Residual(config, rngs=rngs)
 
-    def __call__(self, x: Array, mask: SelfMask, *, deterministic: bool, rngs: nnx.Rngs | None) -> Array:
+    def __call__(self, x: Array, mask: Array | SelfMask, *, deterministic: bool, rngs: nnx.Rngs | None) -> Array:
         """x [batch, length, embed] -> [batch, length, embed]."""
         kw = dict(deterministic=deterministic, rngs=rngs)
         def attend(y):
@@ -641,6 +641,8 @@ class Transformer(nnx.Module):
                deterministic: bool = True, rngs: nnx.Rngs | None = None) -> Array:
         """inputs [batch, src_length] int -> encoded [batch, src_length, embed]."""
         mask = SelfMask(segmentation_of(inputs, inputs_segmentation))
+        if self.config.encoder_attention == "dense":  # the matrix once for the stack, not once per layer
+            mask = mask.dense()
         x = self.source_embedder(inputs, positions_of(inputs, inputs_position), deterministic=deterministic, rngs=rngs)
         def layer_call(layer, x, rngs, cache):
             return self._maybe_remat(layer, deterministic)(x, mask, rngs=rngs), cache
@@ -660,6 +662,8 @@ class Transformer(nnx.Module):
         if targets_segmentation is None:
             targets_segmentation = jnp.ones_like(decoder_inputs)
         self_mask = SelfMask(targets_segmentation, causal=True)
+        if self.config.decoder_attention == "dense":
+            self_mask = self_mask.dense()
         cross_mask = attention_mask(targets_segmentation, source_segmentation)
         positions = positions_of(decoder_inputs, targets_position)
         x = self.target_embedder(decoder_inputs, positions, deterministic=deterministic, rngs=rngs)
