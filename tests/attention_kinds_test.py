@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 from configs import default
+from tiny import decode_incrementally
 from transformer.decode import beam_search, length_penalty
 from transformer.trainer import Settings
 from transformer.model import ModelConfig, SelfMask, Transformer, attention, local_attention
@@ -111,16 +112,10 @@ def test_local_cached_decoding_in_a_ring_equals_the_teacher_forced_pass(local_mo
     window still sees; hypotheses decoded together keep their own rows."""
     targets = jnp.stack([DECODER_INPUTS, DECODER_INPUTS[::-1], DECODER_INPUTS.at[:, 4:].set(7)][:hypotheses], axis=1)
 
-    @nnx.jit
-    def steps(model, targets):
-        cache = model.init_cache(model.encode(INPUTS), INPUTS, targets.shape[-1], hypotheses=targets.shape[1])
-        assert cache["layers"][0]["key"][0].shape[-1] == 3 * targets.shape[1]  # the ring, not the 9 positions
-        logits = []
-        for index in range(targets.shape[-1]):
-            step_logits, cache = model.decode_step(targets[..., index], jnp.int32(index), cache)
-            logits.append(step_logits)
-        return jnp.stack(logits, axis=2)
-    together = steps(local_model, targets)
+    cache = nnx.eval_shape(lambda: local_model.init_cache(local_model.encode(INPUTS), INPUTS, targets.shape[-1],
+                                                          hypotheses=hypotheses))
+    assert cache["layers"][0]["key"][0].shape[-1] == 3 * hypotheses  # the ring, not the 9 positions
+    together = nnx.jit(decode_incrementally)(local_model, INPUTS, targets)
     for hypothesis in range(hypotheses):
         np.testing.assert_allclose(together[:, hypothesis], apply(local_model, INPUTS, targets[:, hypothesis]),
                                    atol=1e-4)
@@ -180,15 +175,8 @@ def test_linformer_padding_changes_no_real_position(linformer_model):
 
 
 def test_linformer_cached_decoding_equals_the_teacher_forced_pass(linformer_model):
-    @nnx.jit
-    def steps(model):
-        cache = model.init_cache(model.encode(INPUTS), INPUTS, DECODER_INPUTS.shape[1])
-        logits = []
-        for index in range(DECODER_INPUTS.shape[1]):
-            step_logits, cache = model.decode_step(DECODER_INPUTS[:, index, None], jnp.int32(index), cache)
-            logits.append(step_logits[:, 0])
-        return jnp.stack(logits, axis=1)
-    np.testing.assert_allclose(steps(linformer_model), apply(linformer_model, INPUTS, DECODER_INPUTS), atol=1e-4)
+    incremental = nnx.jit(decode_incrementally)(linformer_model, INPUTS, DECODER_INPUTS[:, None])[:, 0]
+    np.testing.assert_allclose(incremental, apply(linformer_model, INPUTS, DECODER_INPUTS), atol=1e-4)
 
 
 def test_linformer_is_refused_where_it_cannot_work_naming_why():

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tiny import decode_incrementally
 from transformer.model import ModelConfig, Transformer, attention_mask, sinusoidal_positions, to_cache_layout
 
 TINY = dict(vocab_size=40, emb_dim=32, num_heads=4, num_encoder_layers=2, num_decoder_layers=2, mlp_dim=64)
@@ -59,15 +60,8 @@ def test_packed_rows_equal_separate_sentences(model):
 def test_cached_decoding_equals_teacher_forced_pass(model):
     logits = apply(model, INPUTS, DECODER_INPUTS)
 
-    @nnx.jit
-    def decode_all(model, inputs, decoder_inputs):
-        cache = model.init_cache(model.encode(inputs), inputs, decoder_inputs.shape[1])
-        steps = []
-        for index in range(decoder_inputs.shape[1]):
-            step_logits, cache = model.decode_step(decoder_inputs[:, index, None], jnp.int32(index), cache)
-            steps.append(step_logits[:, 0])
-        return jnp.stack(steps, axis=1)
-    np.testing.assert_allclose(decode_all(model, INPUTS, DECODER_INPUTS), logits, atol=1e-4)
+    incremental = nnx.jit(decode_incrementally)(model, INPUTS, DECODER_INPUTS[:, None])[:, 0]
+    np.testing.assert_allclose(incremental, logits, atol=1e-4)
 
 
 def test_caches_are_head_major_in_blocks():
@@ -93,16 +87,7 @@ def test_hypotheses_decoded_together_equal_each_decoded_alone(model):
     cache of its own: the hypotheses share the sentence's cross-attention keys/values and nothing else."""
     targets = jnp.stack([DECODER_INPUTS, DECODER_INPUTS[::-1], DECODER_INPUTS.at[:, 2:].set(7)], axis=1)  # [2, 3, 6]
 
-    @nnx.jit
-    def steps(model, targets):
-        cache = model.init_cache(model.encode(INPUTS), INPUTS, targets.shape[-1], hypotheses=targets.shape[1],
-                                 blocks=2)
-        logits = []
-        for index in range(targets.shape[-1]):
-            step_logits, cache = model.decode_step(targets[..., index], jnp.int32(index), cache)
-            logits.append(step_logits)
-        return jnp.stack(logits, axis=2)  # [batch, hypotheses, length, vocab]
-    together = steps(model, targets)
+    together = nnx.jit(decode_incrementally, static_argnames="blocks")(model, INPUTS, targets, blocks=2)
     for hypothesis in range(3):
         alone = apply(model, INPUTS, targets[:, hypothesis])
         np.testing.assert_allclose(together[:, hypothesis], alone, atol=1e-4)

@@ -56,3 +56,17 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def decode_incrementally(model, inputs, targets, **cache_options):
+    """The logits [batch, hypotheses, length, vocab] of feeding targets [batch, hypotheses, length] one position at
+    a time through model.decode_step (each hypothesis its own history): what the teacher-forced pass must equal."""
+    import jax.numpy as jnp
+
+    cache = model.init_cache(model.encode(inputs), inputs, targets.shape[-1], hypotheses=targets.shape[1],
+                             **cache_options)
+    logits = []
+    for index in range(targets.shape[-1]):
+        step_logits, cache = model.decode_step(targets[..., index], jnp.int32(index), cache)
+        logits.append(step_logits)
+    return jnp.stack(logits, axis=2)
