@@ -61,12 +61,15 @@ def get_config() -> ml_collections.ConfigDict:
     model.attention = "reference"  # reference (ours, any backend) | xla | cudnn (flash attention, GPU + bfloat16)
     # The attention of each kind of sublayer (docs/attention.md): dense (the paper's) | local (the keys within
     # model.local_window positions: the paper's restricted self-attention) | linformer (keys and values projected
-    # along the length to model.linformer_length rows; one sentence per row: data.pack=false)
-    model.encoder_attention = "dense"  # dense | local | linformer
-    model.decoder_attention = "dense"  # dense | local (itself and the window's r positions before it)
-    model.cross_attention = "dense"  # dense
+    # along the length to model.linformer_length rows) | performer (softmax estimated by model.performer_features
+    # positive random features: linear in the length). linformer and performer take one sentence per row:
+    # data.pack=false
+    model.encoder_attention = "dense"  # dense | local | linformer | performer
+    model.decoder_attention = "dense"  # dense | local (itself and the window's r positions before it) | performer
+    model.cross_attention = "dense"  # dense | performer
     model.local_window = 16  # r of local attention: keys at distance <= r (a decoding cache of r + 1 positions)
     model.linformer_length = 32  # k of linformer: the projected length (inputs up to model.max_length tokens)
+    model.performer_features = 256  # m of performer: random features, drawn from config.seed (a state of m x d_k)
     model.remat = False  # recompute each layer in the backward pass: less activation memory, ~1/3 more compute
     model.scan_layers = False  # one lax.scan per stack, params [layers, ...]: compile time flat in depth (another layout)
     model.init_std = 0.0  # 0: lecun-normal kernels, N(0, d^-0.5) embeddings; > 0: all N(0, init_std) (Marian: 0.02)

@@ -8,9 +8,10 @@ Writes `cost.jsonl` (one line per kind, part and length), `cost.md` (the table a
 `cost.png` (log-log time and memory against length; the `plot` extra). The layer is the encoder's self-attention
 sublayer (projections included) on one row of `length` tokens; the step is train.py's train step of the
 model (--config, any field overridable) on one row of `length` source and `length` target tokens, the kind set
-for both self-attentions (local where the kind is local). Memory is what XLA plans for the compiled function
-(arguments + outputs - donated + temporaries), read before it runs: a length whose plan exceeds --memory_gib is
-recorded as out of memory and not run, which is where dense stops. Time is the median of --repeats runs after a
+in every sublayer that takes it (cross-attention stays dense for local and linformer; performer has all three).
+Memory is what XLA plans for the compiled function (arguments + outputs - donated + temporaries), read before it
+runs: a length whose plan exceeds --memory_gib is recorded as out of memory and not run, which is where dense
+stops. Time is the median of --repeats runs after a
 compiling one (--repeats, scripts/benchmark.py's flag); compile time is reported apart.
 """
 
@@ -32,7 +33,7 @@ from flax import nnx  # noqa: E402
 
 import benchmark  # noqa: E402  (scripts/benchmark.py: its --config flag, its train-step builder and memory reading)
 
-flags.DEFINE_list("kinds", ["dense", "local", "linformer"], "Attention kinds to measure.")
+flags.DEFINE_list("kinds", ["dense", "local", "linformer", "performer"], "Attention kinds to measure.")
 flags.DEFINE_list("parts", ["layer", "step"], "layer: one self-attention sublayer; step: the whole train step.")
 flags.DEFINE_integer("min_length", 256, "First sequence length; each next one doubles it.")
 flags.DEFINE_integer("max_length", 16384, "Last sequence length.")
@@ -52,14 +53,17 @@ def memory_budget() -> float:
 
 
 def with_kind(config, kind: str, length: int):
-    """The config with `kind` in both self-attentions where it may go (linformer: the encoder's, one sentence per
-    row, its projection as long as the row)."""
+    """The config with `kind` in every sublayer where it may go (local: both self-attentions; linformer: the
+    encoder's, its projection as long as the row; performer: all three), one sentence per row where the kind
+    mixes a row's positions."""
+    from transformer.model import ATTENTION_KINDS, ROW_KINDS
+
     config = config.copy_and_resolve_references()
     with config.unlocked():
-        config.model.encoder_attention = kind
-        config.model.decoder_attention = "dense" if kind == "linformer" else kind
+        for field, kinds in ATTENTION_KINDS.items():
+            config.model[field] = kind if kind in kinds else "dense"
+        config.data.pack = kind not in ROW_KINDS
         if kind == "linformer":
-            config.data.pack = False
             config.model.max_length = max(config.model.max_length, length)
     return config
 
@@ -69,7 +73,7 @@ def layer_function(config, kind: str, length: int):
     from transformer.model import ModelConfig, MultiHeadAttention, SelfMask
 
     model_config = ModelConfig(vocab_size=8, **with_kind(config, kind, length).model.to_dict())
-    module = MultiHeadAttention(model_config, kind, rngs=nnx.Rngs(0))
+    module = MultiHeadAttention(model_config, "encoder_attention", rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(module)
     x = jax.random.normal(jax.random.key(1), (1, length, model_config.emb_dim), model_config.compute_dtype)
     mask = SelfMask(jnp.ones((1, length), jnp.int32))
@@ -189,7 +193,8 @@ def main(argv):
                 for length in lengths:
                     record = {"part": part, "kind": kind, "length": length, "device": device,
                               "window": FLAGS.config.model.local_window,
-                              "linformer_length": FLAGS.config.model.linformer_length}
+                              "linformer_length": FLAGS.config.model.linformer_length,
+                              "performer_features": FLAGS.config.model.performer_features}
                     if not stopped:
                         record.update(measure(*build(FLAGS.config, kind, length), budget))
                         stopped = record["out_of_memory"] or record["median_seconds"] > FLAGS.max_seconds

@@ -7,7 +7,12 @@ packed rows equal separate sentences, and beam search's scores are the teacher-f
 
 linformer: keys and values projected along the length (encoder self-attention, one sentence per row); padding
 changes no real position, cached decoding equals the teacher-forced pass, and what it cannot do is refused at
-config time, by name."""
+config time, by name.
+
+performer: softmax estimated by positive orthogonal random features (every sublayer, one sentence per row); its
+error against softmax falls as the features grow, the causal form in blocks equals the whole masked product, and
+in a model cached decoding over running sums equals the teacher-forced pass, beam search's reordering carries
+each hypothesis's sums, padding changes no real position, and the features come from the run's seed alone."""
 
 import dataclasses
 
@@ -21,7 +26,8 @@ from configs import default
 from tiny import decode_incrementally
 from transformer.decode import beam_search, length_penalty
 from transformer.trainer import Settings
-from transformer.model import ModelConfig, SelfMask, Transformer, attention, local_attention
+from transformer.model import (ModelConfig, SelfMask, Transformer, attention, causal_sums, local_attention,
+                               performer_attention, positive_features, random_features)
 from transformer.tokenizer import EOS_ID
 
 # Rows of 11: two sentences then padding; one filling the row; three short ones (lengths not a multiple of r).
@@ -77,7 +83,7 @@ def test_local_agrees_with_jaxs_local_window_size(causal):
 
 
 def test_a_kind_where_it_has_no_meaning_is_refused_at_config_time():
-    with pytest.raises(ValueError, match=r"cross_attention='local' is not one of \('dense',\)"):
+    with pytest.raises(ValueError, match=r"cross_attention='local' is not one of \('dense', 'performer'\)"):
         ModelConfig(vocab_size=40, cross_attention="local")
     with pytest.raises(ValueError, match="local_window=0 must be >= 1"):
         ModelConfig(vocab_size=40, encoder_attention="local", local_window=0)
@@ -140,10 +146,8 @@ def test_local_packed_rows_equal_separate_sentences(local_model):
     np.testing.assert_allclose(packed[5:], apply(local_model, source_b[None], target_b[None])[0], atol=1e-4)
 
 
-def test_local_beam_scores_equal_teacher_forced_log_probs(local_model):
-    """Beam search reorders its beams through the ancestor table; with a ring cache the table still names, for
-    each position of the window, the beam slot whose rows hold it."""
-    graphdef, params = nnx.split(local_model)
+def assert_beam_scores_are_teacher_forced_log_probs(model):
+    graphdef, params = nnx.split(model)
     params = nnx.to_pure_dict(params)
     search = jax.jit(beam_search, static_argnames=("graphdef", "beam_size", "alpha", "max_extra_length"))
     sequences, scores = search(params, INPUTS, graphdef=graphdef, beam_size=3, alpha=0.6, max_extra_length=6)
@@ -151,10 +155,16 @@ def test_local_beam_scores_equal_teacher_forced_log_probs(local_model):
         outputs = np.asarray(sequences[row])
         lengths = np.array([list(s).index(EOS_ID) + 1 if EOS_ID in s else len(s) for s in outputs])
         decoder_inputs = jnp.pad(jnp.asarray(outputs), ((0, 0), (1, 0)))[:, :-1]
-        logits = apply(local_model, jnp.repeat(INPUTS[row:row + 1], 3, axis=0), decoder_inputs)
+        logits = apply(model, jnp.repeat(INPUTS[row:row + 1], 3, axis=0), decoder_inputs)
         token_log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.asarray(outputs)[..., None], -1)[..., 0]
         log_probs = np.array([float(token_log_probs[i, :lengths[i]].sum()) for i in range(3)])
         np.testing.assert_allclose(scores[row], log_probs / length_penalty(lengths, 0.6), rtol=1e-5, atol=1e-5)
+
+
+def test_local_beam_scores_equal_teacher_forced_log_probs(local_model):
+    """Beam search reorders its beams through the ancestor table; with a ring cache the table still names, for
+    each position of the window, the beam slot whose rows hold it."""
+    assert_beam_scores_are_teacher_forced_log_probs(local_model)
 
 
 LINFORMER = dataclasses.replace(LOCAL, encoder_attention="linformer", decoder_attention="dense", linformer_length=4,
@@ -194,3 +204,103 @@ def test_linformer_is_refused_where_it_cannot_work_naming_why():
         Settings.from_config(config)
     config.model.max_length = 64
     assert Settings.from_config(config).model["encoder_attention"] == "linformer"
+
+
+def softmax_error(features: int, causal: bool, seeds=range(6)) -> float:
+    """Performer's mean absolute error against softmax attention on fixed inputs, averaged over feature seeds."""
+    query, key, value = [x * 0.5 for x in operands(3, (2, 64, 2, 16))]
+    segmentation = jnp.ones((2, 64), jnp.int32).at[1, 40:].set(0)
+    mask = SelfMask(segmentation, causal=causal)
+    exact = dense(query, key, value, mask.dense())
+    errors = [jnp.abs(performer_attention(query, key, value, mask, random_features(jax.random.key(seed), features, 16))
+                      - exact)[segmentation != 0].mean() for seed in seeds]
+    return float(np.mean(errors))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_performer_error_against_softmax_falls_as_the_features_grow(causal):
+    errors = [softmax_error(m, causal) for m in (8, 32, 128, 512)]
+    assert all(a > b for a, b in zip(errors, errors[1:])), errors
+    assert errors[-1] < errors[0] / 3, errors  # roughly 1/sqrt(m): 8 -> 512 is 8x
+
+
+def test_causal_performer_in_blocks_equals_the_whole_masked_product():
+    """The prefix-sum form (blocks of 4 over 11 positions, so a part-filled last block) gives what the
+    [length, length] product of the features under a causal mask gives."""
+    query, key, value = operands(4)
+    features = random_features(jax.random.key(0), 32, 8)
+    queries, keys = positive_features(query, features, query=True), positive_features(key, features, query=False)
+    weights = jnp.einsum("bqhm,bkhm->bhqk", queries, keys) * jnp.tri(11)
+    numerator, normalizer = causal_sums(queries, keys, value, block=4)
+    np.testing.assert_allclose(numerator, jnp.einsum("bhqk,bkhd->bqhd", weights, value), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(normalizer, jnp.swapaxes(weights.sum(-1), 1, 2), rtol=1e-5)
+
+
+def test_random_features_are_orthogonal_within_a_block():
+    features = random_features(jax.random.key(0), 20, 8)  # blocks of 8, 8 and 4 rows
+    directions = features / jnp.linalg.norm(features, axis=-1, keepdims=True)
+    for block in (directions[:8], directions[8:16], directions[16:]):
+        np.testing.assert_allclose(block @ block.T, np.eye(len(block)), atol=1e-5)
+    assert np.abs(directions[:8] @ directions[8:16].T).max() > 1e-2  # blocks are independent draws
+
+
+PERFORMER = dataclasses.replace(LOCAL, encoder_attention="performer", decoder_attention="performer",
+                                cross_attention="performer", performer_features=16)
+
+
+@pytest.fixture(scope="module")
+def performer_model():
+    return Transformer(PERFORMER, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("hypotheses", [1, 3])
+def test_performer_cached_decoding_over_running_sums_equals_the_teacher_forced_pass(performer_model, hypotheses):
+    targets = jnp.stack([DECODER_INPUTS, DECODER_INPUTS[::-1], DECODER_INPUTS.at[:, 4:].set(7)][:hypotheses], axis=1)
+    cache = nnx.eval_shape(lambda: performer_model.init_cache(performer_model.encode(INPUTS), INPUTS, 9,
+                                                              hypotheses=hypotheses))
+    assert cache["layers"][0]["state"].shape == (2, hypotheses, 4, 16, 8)  # m x d per head, whatever the length
+    together = nnx.jit(decode_incrementally)(performer_model, INPUTS, targets)
+    for hypothesis in range(hypotheses):
+        np.testing.assert_allclose(together[:, hypothesis], apply(performer_model, INPUTS, targets[:, hypothesis]),
+                                   atol=1e-4)
+
+
+def test_performer_beam_scores_equal_teacher_forced_log_probs(performer_model):
+    """A reordered beam takes its parent's running sums (decode_step reads the parent from the ancestor table):
+    otherwise a hypothesis's score would mix another's prefix."""
+    assert_beam_scores_are_teacher_forced_log_probs(performer_model)
+
+
+def test_performer_padding_changes_no_real_position(performer_model):
+    logits = apply(performer_model, INPUTS, DECODER_INPUTS)
+    padded = apply(performer_model, jnp.pad(INPUTS, ((0, 0), (0, 5))), jnp.pad(DECODER_INPUTS, ((0, 0), (0, 4))))
+    np.testing.assert_allclose(padded[:, :9], logits, atol=1e-5)
+
+
+def test_performer_features_come_from_the_runs_seed_and_nothing_else(performer_model):
+    """The same parameters give the same logits in a model rebuilt from the same config, other logits under
+    another seed; the features are no parameter, so a checkpoint holds the dense model's tree."""
+    params = nnx.state(performer_model, nnx.Param)
+    def rebuilt(seed):
+        model = Transformer(dataclasses.replace(PERFORMER, seed=seed), rngs=nnx.Rngs(1))
+        nnx.update(model, params)
+        return apply(model, INPUTS, DECODER_INPUTS)
+    np.testing.assert_array_equal(rebuilt(0), apply(performer_model, INPUTS, DECODER_INPUTS))
+    assert np.abs(rebuilt(1) - rebuilt(0)).max() > 1e-3
+    dense_params = nnx.state(Transformer(dataclasses.replace(PERFORMER, encoder_attention="dense",
+                                                             decoder_attention="dense", cross_attention="dense"),
+                                         rngs=nnx.Rngs(0)), nnx.Param)
+    assert jax.tree.structure(params) == jax.tree.structure(dense_params)
+
+
+def test_performer_is_refused_with_packing_and_attention_dropout_naming_why():
+    config = default.get_config()
+    config.seed = 5
+    config.model.decoder_attention = "performer"
+    with pytest.raises(ValueError, match="model.decoder_attention='performer' mixes the positions of a row .* set "
+                                         "data.pack=false"):
+        Settings.from_config(config)
+    config.data.pack = False
+    assert Settings.from_config(config).model_config(40).seed == 5  # the run's seed draws the features
+    with pytest.raises(ValueError, match="cross_attention='performer' forms no attention weights"):
+        ModelConfig(vocab_size=40, cross_attention="performer", attention_dropout_rate=0.1)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices 
 
 from transformer import sharding, trainer  # noqa: E402
 from transformer.checkpoint import Checkpointer  # noqa: E402
-from transformer.model import ModelConfig  # noqa: E402
+from transformer.model import ATTENTION_KINDS, ModelConfig  # noqa: E402
 from transformer.optim import OptimizerConfig, make_optimizer  # noqa: E402
 
 MODEL = ModelConfig(vocab_size=64, emb_dim=32, num_heads=4, num_encoder_layers=1, num_decoder_layers=1, mlp_dim=64,
@@ -54,8 +54,8 @@ def setup(mesh_sizes, model=MODEL, num_microbatches=1):
 
 @functools.cache
 def one_step(mesh_sizes, num_microbatches=1, dropout_rate=0.1, kind="dense"):
-    model = dataclasses.replace(MODEL, dropout_rate=dropout_rate, encoder_attention=kind,
-                                decoder_attention="dense" if kind == "linformer" else kind, local_window=3)
+    kinds = {field: kind if kind in allowed else "dense" for field, allowed in ATTENTION_KINDS.items()}
+    model = dataclasses.replace(MODEL, dropout_rate=dropout_rate, local_window=3, performer_features=16, **kinds)
     state, train, batch_sharding, _, _ = setup(mesh_sizes, model, num_microbatches)
     born = jax.tree.map(lambda x: (x.sharding, x.addressable_shards[0].data.shape), state)  # before donation
     state, metrics = train(state, sharding.place_batch(make_batch(), batch_sharding))
@@ -82,11 +82,11 @@ def test_one_step_with_dropout_on_a_mesh_equals_one_device(mesh_sizes):
     assert_same_step(one_step(mesh_sizes), one_step((1, 1, 1)))
 
 
-@pytest.mark.parametrize("kind", ["local", "linformer"])
+@pytest.mark.parametrize("kind", ["local", "linformer", "performer"])
 def test_each_attention_kind_steps_on_2x2x2_as_on_one_device(kind):
-    """Rows of 12 tokens (one sentence each) against a window of 3 or a projection to 32 rows: the kind's own
-    computation (local's blocks, linformer's projection), sharded over data, fsdp and tensor, gives the one-device
-    step."""
+    """Rows of 12 tokens (one sentence each) against a window of 3, a projection to 32 rows or 16 random features
+    (performer in all three sublayers): the kind's own computation (local's blocks, linformer's projection,
+    performer's sums), sharded over data, fsdp and tensor, gives the one-device step."""
     assert_same_step(one_step((2, 2, 2), dropout_rate=0.0, kind=kind), one_step((1, 1, 1), dropout_rate=0.0, kind=kind))
 
 

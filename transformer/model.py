@@ -36,8 +36,14 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ATTENTION_IMPLEMENTATIONS = ("reference", "xla", "cudnn")
 # The attention kinds each sublayer may take (ModelConfig.encoder_attention, ...): not every kind has a meaning
 # everywhere (a window over another sentence's positions, in cross-attention, has none).
-ATTENTION_KINDS = {"encoder_attention": ("dense", "local", "linformer"), "decoder_attention": ("dense", "local"),
-                   "cross_attention": ("dense",)}
+ATTENTION_KINDS = {"encoder_attention": ("dense", "local", "linformer", "performer"),
+                   "decoder_attention": ("dense", "local", "performer"), "cross_attention": ("dense", "performer")}
+# Kinds that mix every position of a row (linformer's projection, performer's sums over the keys): one sentence
+# per row (data.pack=false), which Settings checks.
+ROW_KINDS = ("linformer", "performer")
+# Queries per block of performer's causal prefix sums: each block's own keys are read as a (block x block) masked
+# product, the earlier blocks' through their running sum, so memory grows as length / 64 sums of m x d per head.
+PERFORMER_BLOCK = 64
 
 
 def partitioned(init, *names: str | None):
@@ -73,11 +79,15 @@ class ModelConfig:
     cross_attention: str
     local_window: int
     linformer_length: int
+    performer_features: int
     remat: bool
     # Each stack's layers as one LayerStack (parameters with a leading `layers` axis) applied by one lax.scan, so
     # the train step compiles one layer per stack whatever the depth; the same model, another parameter layout.
     scan_layers: bool
     init_std: float
+    # The run's seed (config.seed, which Settings.model_config passes; not a config.model key): performer's random
+    # features are drawn from it, so a resumed, averaged or evaluated model rebuilds them from its config.
+    seed: int = 0
 
     def __post_init__(self):
         checks = [
@@ -103,6 +113,11 @@ class ModelConfig:
             checks.append((getattr(self, field) in kinds, f"{field}={getattr(self, field)!r} is not one of {kinds}"))
         checks.append((self.local_window >= 1, f"local_window={self.local_window} must be >= 1"))
         checks.append((self.linformer_length >= 1, f"linformer_length={self.linformer_length} must be >= 1"))
+        checks.append((self.performer_features >= 1, f"performer_features={self.performer_features} must be >= 1"))
+        performers = [field for field in ATTENTION_KINDS if getattr(self, field) == "performer"]
+        checks.append((not performers or self.attention_dropout_rate == 0.0,
+                       f"{performers[0] if performers else ''}='performer' forms no attention weights for "
+                       f"attention_dropout_rate={self.attention_dropout_rate} to drop: set it to 0"))
         for rate_name in ("dropout_rate", "attention_dropout_rate", "relu_dropout_rate"):
             rate = getattr(self, rate_name)
             checks.append((0.0 <= rate < 1.0, f"{rate_name}={rate} must be in [0, 1)"))
@@ -285,6 +300,83 @@ def local_attention(query: Array, key: Array, value: Array, mask: SelfMask, wind
     return attended.reshape(batch, count * size, *attended.shape[3:])[:, :length]
 
 
+def random_features(key: Array, count: int, dim: int) -> Array:
+    """FAVOR+'s orthogonal random features (Choromanski et al. 2020): [count, dim] float32, in blocks of `dim`
+    exactly orthogonal directions (QR of a Gaussian matrix), each row scaled to the norm of its own Gaussian
+    vector, so every row is marginally N(0, I) and the rows of a block are orthogonal, which lowers the
+    estimate's variance below independent draws."""
+    count_blocks = -(-count // dim)
+    keys = jax.random.split(key, count_blocks + 1)
+    directions = jnp.concatenate([jnp.linalg.qr(jax.random.normal(k, (dim, dim)))[0].T for k in keys[:-1]])
+    return directions[:count] * jnp.linalg.norm(jax.random.normal(keys[-1], (count, dim)), axis=-1, keepdims=True)
+
+
+def positive_features(x: Array, features: Array, *, query: bool) -> Array:
+    """phi(x) = exp(w x - |x|^2 / 2) / sqrt(m) for each of the m rows w of `features`, of x [batch, length, heads,
+    head_dim] scaled by head_dim^-1/4, so that phi(q) . phi(k) is an unbiased estimate of exp(q . k / sqrt(d))
+    -> [batch, length, heads, m] float32. A query's features are shifted by their largest exponent, a constant
+    of that query which its normalisation cancels; a key's are not (a per-key shift would not cancel, and the
+    running sums of decoding need the same features as the full pass): w k - |k|^2 / 2 <= |w|^2 / 2 bounds them."""
+    x = x.astype(jnp.float32) * x.shape[-1] ** -0.25
+    exponent = jnp.einsum("blhd,md->blhm", x, features) - jnp.sum(x * x, axis=-1, keepdims=True) / 2
+    if query:
+        exponent = exponent - jax.lax.stop_gradient(jnp.max(exponent, axis=-1, keepdims=True))
+    return jnp.exp(exponent) / math.sqrt(features.shape[0])
+
+
+def performer_attention(query: Array, key: Array, value: Array, mask: SelfMask, features: Array) -> Array:
+    """Softmax attention estimated by positive random features (FAVOR+): phi(Q) (phi(K)^T V) / phi(Q) (phi(K)^T 1),
+    never forming the [q_length, k_length] weights, so time and memory grow linearly in the length. Same shapes as
+    dot_product_attention; mask.segmentation is the keys' (0: padding, whose features are zeroed: they add
+    nothing); causal (self-attention): each query's sums run over the keys up to it, by blocks (causal_sums).
+    Rows hold one sentence each (Settings refuses packing): the sums run over the whole row."""
+    queries = positive_features(query, features, query=True)
+    keys = positive_features(key, features, query=False) * (mask.segmentation != 0)[:, :, None, None]
+    value = value.astype(jnp.float32)
+    if mask.causal:
+        numerator, normalizer = causal_sums(queries, keys, value)
+    else:
+        numerator, normalizer = read_sums(queries, *key_sums(keys, value))
+    return (numerator / jnp.where(normalizer == 0, 1, normalizer)[..., None]).astype(query.dtype)
+
+
+def key_sums(keys: Array, values: Array) -> tuple[Array, Array]:
+    """The sums a performer query reads: phi(K)^T V [batch, heads, m, head_dim] and phi(K)^T 1 [batch, heads, m]."""
+    return jnp.einsum("blhm,blhd->bhmd", keys, values), jnp.sum(keys, axis=1)
+
+
+def read_sums(queries: Array, state: Array, total: Array) -> tuple[Array, Array]:
+    """Queries' features [batch, length, heads, m] over key_sums -> numerators [batch, length, heads, head_dim],
+    normalizers [batch, length, heads]."""
+    return jnp.einsum("blhm,bhmd->blhd", queries, state), jnp.einsum("blhm,bhm->blh", queries, total)
+
+
+def causal_sums(queries: Array, keys: Array, values: Array, block: int = PERFORMER_BLOCK) -> tuple[Array, Array]:
+    """read_sums with each query reading only the keys up to its own position: in blocks of `block` positions,
+    its own block's keys through a masked (block x block) product and the earlier blocks' through the running sum
+    of their key_sums (the prefix-sum form of causal FAVOR+, without a state per position)."""
+    batch, length, heads, _ = queries.shape
+    size = min(block, length)
+    count, pad = -(-length // size), -length % size
+
+    def blocks(x):  # [batch, length, heads, ...] -> [batch, count, size, heads, ...]
+        return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(batch, count, size, *x.shape[2:])
+
+    queries, keys, values = blocks(queries), blocks(keys), blocks(values)
+
+    def before(x):  # each block's sum of the blocks before it
+        return jnp.cumsum(jnp.pad(x, [(0, 0), (1, 0)] + [(0, 0)] * (x.ndim - 2))[:, :-1], axis=1)
+
+    state = before(jnp.einsum("bcshm,bcshd->bchmd", keys, values))
+    total = before(jnp.sum(keys, axis=2))
+    within = jnp.einsum("bcqhm,bckhm->bchqk", queries, keys) * jnp.tri(size)
+    numerator = (jnp.einsum("bchqk,bckhd->bcqhd", within, values)
+                 + jnp.einsum("bcqhm,bchmd->bcqhd", queries, state))
+    normalizer = jnp.swapaxes(jnp.sum(within, axis=-1), 2, 3) + jnp.einsum("bcqhm,bchm->bcqh", queries, total)
+    return (numerator.reshape(batch, count * size, heads, -1)[:, :length],
+            normalizer.reshape(batch, count * size, heads)[:, :length])
+
+
 def head_major_attention(query: Array, keys: Array, values: Array, mask: Array, dropout: nnx.Dropout | None = None, *,
                          deterministic: bool = True, rngs: nnx.Rngs | None = None, normalize: bool = True
                          ) -> Array | tuple[Array, Array, Array]:
@@ -372,15 +464,16 @@ class MultiHeadAttention(nnx.Module):
     Projections have no bias, as in tensor2tensor.
     """
 
-    def __init__(self, config: ModelConfig, kind: str = "dense", *, rngs: nnx.Rngs):
-        self.config, self.kind = config, kind
+    def __init__(self, config: ModelConfig, sublayer: str = "encoder_attention", *, rngs: nnx.Rngs):
+        """sublayer: the ATTENTION_KINDS field naming this attention's kind (encoder_attention, ...)."""
+        self.config, self.sublayer, self.kind = config, sublayer, getattr(config, sublayer)
         dim, dtype = config.emb_dim, config.compute_dtype
         def linear(*names):
             return nnx.Linear(dim, dim, use_bias=False, dtype=dtype, kernel_init=config.kernel_init(*names), rngs=rngs)
         self.query, self.key, self.value = linear("embed", "heads"), linear("embed", "heads"), linear("embed", "heads")
         self.output = linear("heads", "embed")
         self.dropout = nnx.Dropout(config.attention_dropout_rate)
-        if kind == "linformer":  # E and F of Wang et al. 2020, shared by the heads: [max_length, linformer_length]
+        if self.kind == "linformer":  # Wang et al. 2020's E and F, shared by the heads: [max_length, linformer_length]
             shape = (config.max_length, config.linformer_length)
             init = config.kernel_init(None, None)
             self.key_projection = nnx.Param(init(rngs.params(), shape, jnp.float32))
@@ -396,6 +489,9 @@ class MultiHeadAttention(nnx.Module):
     def __call__(self, x: Array, keys: Array, values: Array, mask: Array | SelfMask, *, deterministic: bool,
                  rngs: nnx.Rngs | None) -> Array:
         """Queries from x [batch, q_length, embed] over given keys/values -> [batch, q_length, embed]."""
+        if self.kind == "performer":
+            attended = performer_attention(self.split_heads(self.query(x)), keys, values, mask, self.features())
+            return self.output(attended.reshape(*x.shape[:-1], self.config.emb_dim))
         if self.kind == "linformer":
             keys, values, mask = self.project(keys, values, mask)
         attended = attention(self.config.attention, self.split_heads(self.query(x)), keys, values, mask,
@@ -413,6 +509,40 @@ class MultiHeadAttention(nnx.Module):
             return jnp.einsum("blhd,lk->bkhd", x * real, table[:length].astype(dtype))
         keys, values = projected(keys, self.key_projection[...]), projected(values, self.value_projection[...])
         return keys, values, jnp.ones((keys.shape[0], 1, 1, keys.shape[1]), bool)
+
+    def features(self) -> Array:
+        """Performer's random features [m, head_dim], the same at every call: drawn from the run's seed and this
+        sublayer's name, one draw per kind of sublayer shared by its layers and heads (as the Performer
+        reference's fixed draw is shared), so nothing but the config is needed to rebuild them."""
+        key = jax.random.fold_in(jax.random.key(self.config.seed), list(ATTENTION_KINDS).index(self.sublayer))
+        return random_features(key, self.config.performer_features, self.config.head_dim)
+
+    def key_sums(self, keys: Array, values: Array, segmentation: Array) -> tuple[Array, Array]:
+        """Performer's key_sums of keys/values [batch, length, heads, head_dim], padding (segmentation 0) left out:
+        what cross-attention reads at every decoding step, computed once."""
+        features = positive_features(keys, self.features(), query=False) * (segmentation != 0)[:, :, None, None]
+        return key_sums(features, values.astype(jnp.float32))
+
+    def attend_sums(self, x: Array, state: Array, total: Array, keys: Array | None = None,
+                    values: Array | None = None) -> tuple[Array, Array, Array]:
+        """Performer over running sums, for cached decoding: queries from x [batch, n, embed] read state [batch,
+        (n,) heads, m, head_dim] and total [batch, (n,) heads, m] (key_sums), each query its own where they have
+        the n axis; given keys/values [batch, n, heads, head_dim], query i's own key and value are first added to
+        its sums (causal self-attention: a constant state per step, however long the output) -> (output
+        [batch, n, embed], state, total)."""
+        features = self.features()
+        queries = positive_features(self.split_heads(self.query(x)), features, query=True)
+        if keys is not None:
+            new_keys = positive_features(keys, features, query=False)
+            state = state + jnp.einsum("blhm,blhd->blhmd", new_keys, values.astype(jnp.float32))
+            total = total + new_keys
+        if state.ndim == 5:
+            numerator = jnp.einsum("blhm,blhmd->blhd", queries, state)
+            normalizer = jnp.einsum("blhm,blhm->blh", queries, total)
+        else:
+            numerator, normalizer = read_sums(queries, state, total)
+        attended = (numerator / jnp.where(normalizer == 0, 1, normalizer)[..., None]).astype(x.dtype)
+        return self.output(attended.reshape(*x.shape[:-1], self.config.emb_dim)), state, total
 
     def attend_cache(self, x: Array, key_blocks: tuple[Array, ...], value_blocks: tuple[Array, ...], mask: Array,
                      last_row: Array | int = 0) -> Array:
@@ -461,7 +591,7 @@ class Residual(nnx.Module):
 
 class EncoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        self.self_attention = MultiHeadAttention(config, config.encoder_attention, rngs=rngs)
+        self.self_attention = MultiHeadAttention(config, "encoder_attention", rngs=rngs)
         self.self_attention_residual = Residual(config, rngs=rngs)
         self.feed_forward = FeedForward(config, rngs=rngs)
         self.feed_forward_residual = Residual(config, rngs=rngs)
@@ -477,22 +607,36 @@ class EncoderLayer(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        self.self_attention = MultiHeadAttention(config, config.decoder_attention, rngs=rngs)
+        self.self_attention = MultiHeadAttention(config, "decoder_attention", rngs=rngs)
         self.self_attention_residual = Residual(config, rngs=rngs)
-        self.cross_attention = MultiHeadAttention(config, config.cross_attention, rngs=rngs)
+        self.cross_attention = MultiHeadAttention(config, "cross_attention", rngs=rngs)
         self.cross_attention_residual = Residual(config, rngs=rngs)
         self.feed_forward = FeedForward(config, rngs=rngs)
         self.feed_forward_residual = Residual(config, rngs=rngs)
 
-    def init_cache(self, encoded: Array, rows: int, blocks: int) -> dict[str, Any]:
+    def init_cache(self, encoded: Array, source_segmentation: Array, rows: int, blocks: int,
+                   hypotheses: int) -> dict[str, Any]:
         """This layer's part of Transformer.init_cache: an empty self-attention cache of `rows` rows in `blocks`
-        equal arrays, and the cross-attention keys/values of encoded [batch, src_length, embed]."""
-        cross_key, cross_value = to_cache_layout(*self.cross_attention.keys_values(encoded))
-        batch, heads, head_dim, _ = cross_key.shape
-        length = rows // blocks
-        return {"key": tuple(jnp.zeros((batch, heads, head_dim, length), cross_key.dtype) for _ in range(blocks)),
-                "value": tuple(jnp.zeros((batch, heads, length, head_dim), cross_value.dtype) for _ in range(blocks)),
-                "cross_key": cross_key, "cross_value": cross_value}
+        equal arrays (performer: zero running sums per hypothesis), and what cross-attention reads of encoded
+        [batch, src_length, embed]: its keys/values (performer: their sums, padding left out)."""
+        batch, config = encoded.shape[0], self.self_attention.config
+        cache = {}
+        if self.self_attention.kind == "performer":
+            shape = (batch, hypotheses, config.num_heads, config.performer_features)
+            cache.update(state=jnp.zeros((*shape, config.head_dim), jnp.float32), total=jnp.zeros(shape, jnp.float32))
+        else:
+            length, dtype = rows // blocks, config.compute_dtype
+            cache.update(key=tuple(jnp.zeros((batch, config.num_heads, config.head_dim, length), dtype)
+                                   for _ in range(blocks)),
+                         value=tuple(jnp.zeros((batch, config.num_heads, length, config.head_dim), dtype)
+                                     for _ in range(blocks)))
+        keys, values = self.cross_attention.keys_values(encoded)
+        if self.cross_attention.kind == "performer":
+            cache["cross_state"], cache["cross_total"] = self.cross_attention.key_sums(keys, values,
+                                                                                       source_segmentation)
+        else:
+            cache["cross_key"], cache["cross_value"] = to_cache_layout(keys, values)
+        return cache
 
     def __call__(self, x: Array, encoded: Array | None, self_mask: Array, cross_mask: Array, *, deterministic: bool,
                  rngs: nnx.Rngs | None, cache: dict[str, Any] | None = None,
@@ -510,6 +654,10 @@ class DecoderLayer(nnx.Module):
             keys, values = self.self_attention.keys_values(y)
             if cache is None:
                 return self.self_attention(y, keys, values, self_mask, **kw)
+            if "state" in cache:  # performer: this position's key and value join each hypothesis's running sums
+                y, state, total = self.self_attention.attend_sums(y, cache["state"], cache["total"], keys, values)
+                cache = {**cache, "state": state, "total": total}
+                return y
             keys, values = to_cache_layout(keys, values)
             cache = {**cache, "key": write_cache_rows(cache["key"], keys, 3, cache_index),
                      "value": write_cache_rows(cache["value"], values, 2, cache_index)}
@@ -519,6 +667,8 @@ class DecoderLayer(nnx.Module):
         def cross_attend(y):
             if cache is None:
                 return self.cross_attention(y, *self.cross_attention.keys_values(encoded), cross_mask, **kw)
+            if "cross_state" in cache:
+                return self.cross_attention.attend_sums(y, cache["cross_state"], cache["cross_total"])[0]
             return self.cross_attention.attend_cache(y, (cache["cross_key"],), (cache["cross_value"],), cross_mask)
 
         x = self.self_attention_residual(x, self_attend, **kw)
@@ -665,6 +815,8 @@ class Transformer(nnx.Module):
         if self.config.decoder_attention == "dense":
             self_mask = self_mask.dense()
         cross_mask = attention_mask(targets_segmentation, source_segmentation)
+        if self.config.cross_attention == "performer":  # the keys' padding, never a [q, k] matrix
+            cross_mask = SelfMask(source_segmentation)
         positions = positions_of(decoder_inputs, targets_position)
         x = self.target_embedder(decoder_inputs, positions, deterministic=deterministic, rngs=rngs)
         x, _ = self._decoder_stack(x, encoded, self_mask, cross_mask, deterministic=deterministic, rngs=rngs)
@@ -716,7 +868,8 @@ class Transformer(nnx.Module):
         to_cache_layout. The positions are rounded up to a multiple of `blocks`, the arrays each layer's rows
         are held in; a step reads only the blocks written so far (blocked_attention). With local decoder
         self-attention the cache is a ring of the window's local_window + 1 positions (one block), overwritten in
-        turn: its memory does not grow with the output's length."""
+        turn: its memory does not grow with the output's length; with performer's, it is each hypothesis's running
+        sums, of constant size (and performer cross-attention keeps the sums of the keys/values, not them)."""
         if blocks < 1:
             raise ValueError(f"blocks={blocks} must be >= 1")
         positions = max_decode_length
@@ -724,7 +877,8 @@ class Transformer(nnx.Module):
             positions, blocks = self.config.local_window + 1, 1
         rows = -(-positions // blocks) * blocks * hypotheses
         return {"source_mask": (inputs != 0)[:, None, None, :],
-                "layers": [layer.init_cache(encoded, rows, blocks) for layer in self.decoder_layers]}
+                "layers": [layer.init_cache(encoded, inputs != 0, rows, blocks, hypotheses)
+                           for layer in self.decoder_layers]}
 
     def decode_step(self, tokens: Array, position: Array, cache: Cache, *,
                     history: Array | None = None) -> tuple[Array, Cache]:
@@ -736,6 +890,9 @@ class Transformer(nnx.Module):
         hypothesis's rows hold it (default: its own), so a search that reorders its hypotheses (beam search) moves
         this table rather than every layer's cache.
         """
+        x = self.target_embedder(tokens, jnp.full(tokens.shape, position, jnp.int32), deterministic=True, rngs=None)
+        if self.config.decoder_attention == "performer":
+            return self._performer_step(x, position, cache, history)
         batch, count = tokens.shape
         slots = sum(block.shape[-1] for block in cache["layers"][0]["key"]) // count  # positions the cache holds
         # The cache is a ring of `slots` positions (as many as the decode's, unless local attention keeps fewer):
@@ -750,7 +907,20 @@ class Transformer(nnx.Module):
             owner = jnp.take(history, jnp.maximum(held, 0), axis=2)
         visible = written[:, None] & (owner[..., None] == jnp.arange(count))
         self_mask = jnp.broadcast_to(visible, (batch, count, slots, count)).reshape(batch, 1, count, slots * count)
-        x = self.target_embedder(tokens, jnp.full(tokens.shape, position, jnp.int32), deterministic=True, rngs=None)
         x, layers = self._decoder_stack(x, None, self_mask, cache["source_mask"], deterministic=True, rngs=None,
                                         caches=cache["layers"], cache_index=position % slots * count)
+        return self.logits(x), {**cache, "layers": layers}
+
+    def _performer_step(self, x: Array, position: Array, cache: Cache,
+                        history: Array | None) -> tuple[Array, Cache]:
+        """decode_step with performer self-attention: each hypothesis's cache is its running sums, so a reordering
+        search's hypothesis takes its parent's, the hypothesis whose rows hold its previous position (history)."""
+        layers = cache["layers"]
+        if history is not None:
+            parents = jnp.take(history, jnp.maximum(position - 1, 0), axis=2)  # [batch, hypotheses]
+            def follow(x):
+                return jnp.take_along_axis(x, parents.reshape(*parents.shape, *[1] * (x.ndim - 2)), axis=1)
+            layers = [{**layer, "state": follow(layer["state"]), "total": follow(layer["total"])} for layer in layers]
+        x, layers = self._decoder_stack(x, None, None, cache["source_mask"], deterministic=True, rngs=None,
+                                        caches=layers, cache_index=position)
         return self.logits(x), {**cache, "layers": layers}

@@ -24,7 +24,7 @@ from transformer import checkpoint, config_files, data, decode, errors, files, l
 from transformer import workdir as workdirs
 from transformer.metrics import log
 from transformer.checkpoint import Checkpointer, abstract_like
-from transformer.model import ModelConfig, Transformer
+from transformer.model import ATTENTION_KINDS, ROW_KINDS, ModelConfig, Transformer
 from transformer.optim import OptimizerConfig, make_optimizer
 from transformer.steps import DROPOUT_RNGS, TrainState, eval_step, summarize, train_step
 from transformer.tokenizer import Tokenizer
@@ -136,7 +136,7 @@ class Settings:
                 return kind(**values, **extra)
 
         model = config.get("model", {})
-        shapes = build(ModelConfig, "model", vocab_size=1)  # validates shapes before any data work
+        shapes = build(ModelConfig, "model", vocab_size=1, seed=0)  # validates shapes before any data work
         unknown = sorted(set(config.keys()) - {"seed", *SECTIONS})
         if unknown:
             raise errors.ConfigError("; ".join(f"unknown top-level config key config.{key}" + errors.did_you_mean(
@@ -147,9 +147,12 @@ class Settings:
         settings.decode.splits  # validates the split names now, before training
         if settings.seed < 0:
             raise ValueError(f"config.seed={settings.seed} must be >= 0")
-        if shapes.encoder_attention == "linformer" and settings.data.pack:
-            raise ValueError("model.encoder_attention='linformer' projects keys and values along the length, mixing "
-                             "the positions of a row, so it takes one sentence per row: set data.pack=false")
+        row_kinds = [f"model.{field}={getattr(shapes, field)!r}" for field in ATTENTION_KINDS
+                     if getattr(shapes, field) in ROW_KINDS]
+        if row_kinds and settings.data.pack:
+            raise ValueError(f"{row_kinds[0]} mixes the positions of a row (linformer projects keys and values along "
+                             "the length, performer sums over them), so it takes one sentence per row: set "
+                             "data.pack=false")
         if shapes.position_limit is not None and shapes.position_limit < settings.data.max_length:
             table = "the learned position table" if shapes.positional_encoding == "learned" else "linformer's projection"
             raise ValueError(f"model.max_length={shapes.max_length} ({table}) is shorter than "
@@ -157,7 +160,7 @@ class Settings:
         return settings
 
     def model_config(self, vocab_size: int) -> ModelConfig:
-        return ModelConfig(vocab_size=vocab_size, **self.model)
+        return ModelConfig(vocab_size=vocab_size, seed=self.seed, **self.model)
 
 
 # ----------------------------------------------------------------------------------------------------
