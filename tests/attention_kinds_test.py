@@ -26,8 +26,8 @@ from configs import default
 from tiny import decode_incrementally
 from transformer.decode import beam_search, length_penalty
 from transformer.trainer import Settings
-from transformer.model import (ModelConfig, SelfMask, Transformer, attention, causal_sums, local_attention,
-                               performer_attention, positive_features, random_features)
+from transformer.model import (ModelConfig, SelfMask, Transformer, attention, causal_sums, feature_exponents,
+                               key_exponents, local_attention, performer_attention, random_features)
 from transformer.tokenizer import EOS_ID
 
 # Rows of 11: two sentences then padding; one filling the row; three short ones (lengths not a multiple of r).
@@ -224,16 +224,50 @@ def test_performer_error_against_softmax_falls_as_the_features_grow(causal):
     assert errors[-1] < errors[0] / 3, errors  # roughly 1/sqrt(m): 8 -> 512 is 8x
 
 
-def test_causal_performer_in_blocks_equals_the_whole_masked_product():
-    """The prefix-sum form (blocks of 4 over 11 positions, so a part-filled last block) gives what the
-    [length, length] product of the features under a causal mask gives."""
+def performer_estimate(query, key, value, segmentation, features, causal):
+    """What performer_attention estimates, in float64 and in the log domain, so that nothing under- or overflows:
+    weights sum_m exp(a_m(q) + b_m(k)) over feature_exponents a, b, normalised over the keys a query reads."""
+    a, b = (np.asarray(feature_exponents(x, features), np.float64) for x in (query, key))
+    logits = np.logaddexp.reduce(a[:, :, None] + b[:, None], axis=-1)  # [batch, q, k, heads]
+    allowed = (np.asarray(segmentation) != 0)[:, None, :, None]
+    if causal:
+        allowed = allowed & np.tri(query.shape[1], dtype=bool)[None, :, :, None]
+    logits = np.where(allowed, logits, -np.inf)
+    weights = np.exp(logits - logits.max(axis=2, keepdims=True))
+    return np.einsum("bqkh,bkhd->bqhd", weights / weights.sum(axis=2, keepdims=True), np.asarray(value, np.float64))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_performer_in_blocks_equals_its_whole_estimate(causal):
+    """The prefix-sum form (blocks of 4 over 11 positions, so a part-filled last block) and the non-causal sums
+    give what the [length, length] weights of the features give, padding left out."""
     query, key, value = operands(4)
-    features = random_features(jax.random.key(0), 32, 8)
-    queries, keys = positive_features(query, features, query=True), positive_features(key, features, query=False)
-    weights = jnp.einsum("bqhm,bkhm->bhqk", queries, keys) * jnp.tri(11)
-    numerator, normalizer = causal_sums(queries, keys, value, block=4)
-    np.testing.assert_allclose(numerator, jnp.einsum("bhqk,bkhd->bqhd", weights, value), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(normalizer, jnp.swapaxes(weights.sum(-1), 1, 2), rtol=1e-5)
+    features, segmentation = random_features(jax.random.key(0), 32, 8), jnp.ones((3, 11), int).at[0, 8:].set(0)
+    if causal:
+        numerator, normalizer = causal_sums(feature_exponents(query, features),
+                                            key_exponents(key, features, segmentation), value, block=4)
+        output = numerator / normalizer[..., None]
+    else:
+        output = performer_attention(query, key, value, SelfMask(segmentation), features)
+    np.testing.assert_allclose(real(output)[:30], real(performer_estimate(query, key, value, segmentation,
+                                                                           features, causal))[:30], atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_performer_keeps_large_keys_finite_and_exact(causal):
+    """Queries and keys of large norm, whose unshifted features underflowed (0 / 0: NaN gradients in training),
+    later keys larger still (the causal shift grows along the row): the shifted sums still give the estimate, and
+    their gradients stay finite at norms where a block's keys outgrow each other past float32's range."""
+    query, key, value = operands(5, (2, 96, 2, 16))
+    features, segmentation = random_features(jax.random.key(1), 64, 16), jnp.ones((2, 96), int)
+    query, key = query * 6, key * 6 * jnp.linspace(1, 1.5, 96)[None, :, None, None]
+    mask = SelfMask(segmentation, causal=causal)
+    np.testing.assert_allclose(performer_attention(query, key, value, mask, features),
+                               performer_estimate(query, key, value, segmentation, features, causal), atol=1e-4)
+    for scale in (1.5, 4):
+        gradients = jax.grad(lambda q, k: jnp.sum(performer_attention(q * scale, k * scale, value, mask, features)
+                                                  ** 2), (0, 1))(query, key)
+        assert all(bool(jnp.isfinite(g).all()) for g in gradients), scale
 
 
 def test_random_features_are_orthogonal_within_a_block():

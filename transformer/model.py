@@ -44,6 +44,13 @@ ROW_KINDS = ("linformer", "performer")
 # Queries per block of performer's causal prefix sums: each block's own keys are read as a (block x block) masked
 # product, the earlier blocks' through their running sum, so memory grows as length / 64 sums of m x d per head.
 PERFORMER_BLOCK = 64
+# Performer's smallest normaliser: every query's largest term is 1/m (query_features), so only an estimate that
+# float32 cannot hold falls below it; such a query reads 0, without gradient, rather than 0 / 0 (NaN).
+PERFORMER_FLOOR = 1e-6
+# The largest query feature exp(60), where causal_sums reads its own block's keys at a shift past the query's.
+PERFORMER_CAP = 60.0
+# A performer self-attention cache, per hypothesis: its running sums and the key shift they are kept at.
+PERFORMER_SUMS = ("state", "total", "shift")
 
 
 def partitioned(init, *names: str | None):
@@ -311,17 +318,47 @@ def random_features(key: Array, count: int, dim: int) -> Array:
     return directions[:count] * jnp.linalg.norm(jax.random.normal(keys[-1], (count, dim)), axis=-1, keepdims=True)
 
 
-def positive_features(x: Array, features: Array, *, query: bool) -> Array:
-    """phi(x) = exp(w x - |x|^2 / 2) / sqrt(m) for each of the m rows w of `features`, of x [batch, length, heads,
-    head_dim] scaled by head_dim^-1/4, so that phi(q) . phi(k) is an unbiased estimate of exp(q . k / sqrt(d))
-    -> [batch, length, heads, m] float32. A query's features are shifted by their largest exponent, a constant
-    of that query which its normalisation cancels; a key's are not (a per-key shift would not cancel, and the
-    running sums of decoding need the same features as the full pass): w k - |k|^2 / 2 <= |w|^2 / 2 bounds them."""
+def feature_exponents(x: Array, features: Array) -> Array:
+    """The exponents of FAVOR+'s positive features, w x - |x|^2 / 2 for each of the m rows w of `features`, of x
+    [batch, length, heads, head_dim] scaled by head_dim^-1/4 -> [batch, length, heads, m] float32: with
+    phi(x) = exp(exponent) / sqrt(m), phi(q) . phi(k) is an unbiased estimate of exp(q . k / sqrt(d))."""
     x = x.astype(jnp.float32) * x.shape[-1] ** -0.25
-    exponent = jnp.einsum("blhd,md->blhm", x, features) - jnp.sum(x * x, axis=-1, keepdims=True) / 2
-    if query:
-        exponent = exponent - jax.lax.stop_gradient(jnp.max(exponent, axis=-1, keepdims=True))
-    return jnp.exp(exponent) / math.sqrt(features.shape[0])
+    return jnp.einsum("blhd,md->blhm", x, features) - jnp.sum(x * x, axis=-1, keepdims=True) / 2
+
+
+def key_exponents(key: Array, features: Array, segmentation: Array) -> Array:
+    """feature_exponents of the keys, -inf at padding (segmentation 0), whose features are then exactly 0."""
+    return jnp.where((segmentation != 0)[:, :, None, None], feature_exponents(key, features), -jnp.inf)
+
+
+# Unshifted, the features of keys of large norm underflowed to 0 and 0 / 0 made NaN gradients in training. So each
+# feature of the keys is shifted by its largest exponent over the keys a query reads (F, without gradient: keys'
+# features <= 1) and the queries' features by the opposite, which leaves every product phi(q) . phi(k) as it was;
+# each query is then shifted by a constant of its own, which its normalisation cancels, so that its largest term
+# is 1: no normaliser underflows, no feature overflows. Causal sums keep F per position, as decoding does.
+def key_shift(exponents: Array, axis: int) -> Array:
+    """F: the largest of key exponents along the length `axis` (kept), without gradient, 0 where all are padding."""
+    shift = jax.lax.stop_gradient(jnp.max(exponents, axis=axis, keepdims=True))
+    return jnp.where(jnp.isfinite(shift), shift, 0.0)
+
+
+def key_features(exponents: Array, shift: Array) -> Array:
+    return jnp.exp(exponents - shift) / math.sqrt(exponents.shape[-1])
+
+
+def query_features(exponents: Array, shift: Array, largest: Array | None = None) -> Array:
+    """phi(q) [batch, length, heads, m] of query exponents, over keys whose features were shifted by `shift`
+    (broadcast), each query at a constant that makes its largest term 1 over keys whose largest exponents are
+    `largest` (default: shift). Capped at exp(PERFORMER_CAP): only a read of keys shifted past what the query sees (causal_sums'
+    own block) reaches it, and it keeps the sums and their gradients finite."""
+    largest = shift if largest is None else largest
+    own = jax.lax.stop_gradient(jnp.max(exponents + largest, axis=-1, keepdims=True))
+    return jnp.exp(jnp.minimum(exponents + shift - own, PERFORMER_CAP)) / math.sqrt(exponents.shape[-1])
+
+
+def normalized(numerator: Array, normalizer: Array, dtype) -> Array:
+    held = normalizer > PERFORMER_FLOOR
+    return jnp.where(held[..., None], numerator / jnp.where(held, normalizer, 1)[..., None], 0).astype(dtype)
 
 
 def performer_attention(query: Array, key: Array, value: Array, mask: SelfMask, features: Array) -> Array:
@@ -330,14 +367,16 @@ def performer_attention(query: Array, key: Array, value: Array, mask: SelfMask, 
     dot_product_attention; mask.segmentation is the keys' (0: padding, whose features are zeroed: they add
     nothing); causal (self-attention): each query's sums run over the keys up to it, by blocks (causal_sums).
     Rows hold one sentence each (Settings refuses packing): the sums run over the whole row."""
-    queries = positive_features(query, features, query=True)
-    keys = positive_features(key, features, query=False) * (mask.segmentation != 0)[:, :, None, None]
+    queries = feature_exponents(query, features)
+    exponents = key_exponents(key, features, mask.segmentation)
     value = value.astype(jnp.float32)
     if mask.causal:
-        numerator, normalizer = causal_sums(queries, keys, value)
+        numerator, normalizer = causal_sums(queries, exponents, value)
     else:
-        numerator, normalizer = read_sums(queries, *key_sums(keys, value))
-    return (numerator / jnp.where(normalizer == 0, 1, normalizer)[..., None]).astype(query.dtype)
+        shift = key_shift(exponents, 1)
+        numerator, normalizer = read_sums(query_features(queries, shift),
+                                          *key_sums(key_features(exponents, shift), value))
+    return normalized(numerator, normalizer, query.dtype)
 
 
 def key_sums(keys: Array, values: Array) -> tuple[Array, Array]:
@@ -351,28 +390,44 @@ def read_sums(queries: Array, state: Array, total: Array) -> tuple[Array, Array]
     return jnp.einsum("blhm,bhmd->blhd", queries, state), jnp.einsum("blhm,bhm->blh", queries, total)
 
 
-def causal_sums(queries: Array, keys: Array, values: Array, block: int = PERFORMER_BLOCK) -> tuple[Array, Array]:
-    """read_sums with each query reading only the keys up to its own position: in blocks of `block` positions,
-    its own block's keys through a masked (block x block) product and the earlier blocks' through the running sum
-    of their key_sums (the prefix-sum form of causal FAVOR+, without a state per position)."""
+def causal_sums(queries: Array, exponents: Array, values: Array, block: int = PERFORMER_BLOCK
+                ) -> tuple[Array, Array]:
+    """read_sums with each query reading only the keys up to its own position, of query and key exponents
+    [batch, length, heads, m]: in blocks of `block` positions, its own block's keys through a masked (block x block)
+    product and the earlier blocks' through the running sum of their key_sums (the prefix-sum form of causal
+    FAVOR+, without a state per position). A block's sums are kept at the key shift of its last position, and
+    rescaled as the shift grows from block to block (an associative scan); each query is shifted by the keys up
+    to itself, as in decoding (attend_sums), so no query depends on later keys."""
     batch, length, heads, _ = queries.shape
     size = min(block, length)
     count, pad = -(-length // size), -length % size
+    seen = jax.lax.cummax(jax.lax.stop_gradient(exponents), axis=1)  # F up to each position
+    seen = jnp.where(jnp.isfinite(seen), seen, 0.0)
 
-    def blocks(x):  # [batch, length, heads, ...] -> [batch, count, size, heads, ...]
-        return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(batch, count, size, *x.shape[2:])
+    def blocks(x, **fill):  # [batch, length, heads, ...] -> [batch, count, size, heads, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), **fill)
+        return x.reshape(batch, count, size, *x.shape[2:])
 
-    queries, keys, values = blocks(queries), blocks(keys), blocks(values)
+    queries, values, seen = blocks(queries), blocks(values), blocks(seen, mode="edge")
+    exponents = blocks(exponents, constant_values=-jnp.inf)
+    last = seen[:, :, -1:]  # each block's sums are kept at its last position's shift: [batch, count, 1, heads, m]
+    earlier = jnp.concatenate([last[:, :1], last[:, :-1]], axis=1)  # the previous block's (the first: its own)
+    keys = key_features(exponents, last)
 
-    def before(x):  # each block's sum of the blocks before it
-        return jnp.cumsum(jnp.pad(x, [(0, 0), (1, 0)] + [(0, 0)] * (x.ndim - 2))[:, :-1], axis=1)
+    def scan(earlier, later):  # the later block's sums: the earlier ones rescaled to its shift, then its own added
+        (decay_a, state_a, total_a), (decay_b, state_b, total_b) = earlier, later
+        return decay_a * decay_b, decay_b[..., None] * state_a + state_b, decay_b * total_a + total_b
 
-    state = before(jnp.einsum("bcshm,bcshd->bchmd", keys, values))
-    total = before(jnp.sum(keys, axis=2))
-    within = jnp.einsum("bcqhm,bckhm->bchqk", queries, keys) * jnp.tri(size)
+    _, state, total = jax.lax.associative_scan(scan, (jnp.exp(earlier - last)[:, :, 0],
+                                                      jnp.einsum("bcshm,bcshd->bchmd", keys, values),
+                                                      jnp.sum(keys, axis=2)), axis=1)
+    state = jnp.pad(state, [(0, 0), (1, 0), (0, 0), (0, 0), (0, 0)])[:, :-1]  # the blocks before, at `earlier`
+    total = jnp.pad(total, [(0, 0), (1, 0), (0, 0), (0, 0)])[:, :-1]
+    within = (jnp.einsum("bcqhm,bckhm->bchqk", query_features(queries, last, seen), keys) * jnp.tri(size))
+    before = query_features(queries, earlier, seen)
     numerator = (jnp.einsum("bchqk,bckhd->bcqhd", within, values)
-                 + jnp.einsum("bcqhm,bchmd->bcqhd", queries, state))
-    normalizer = jnp.swapaxes(jnp.sum(within, axis=-1), 2, 3) + jnp.einsum("bcqhm,bchm->bcqh", queries, total)
+                 + jnp.einsum("bcqhm,bchmd->bcqhd", before, state))
+    normalizer = jnp.swapaxes(jnp.sum(within, axis=-1), 2, 3) + jnp.einsum("bcqhm,bchm->bcqh", before, total)
     return (numerator.reshape(batch, count * size, heads, -1)[:, :length],
             normalizer.reshape(batch, count * size, heads)[:, :length])
 
@@ -517,32 +572,39 @@ class MultiHeadAttention(nnx.Module):
         key = jax.random.fold_in(jax.random.key(self.config.seed), list(ATTENTION_KINDS).index(self.sublayer))
         return random_features(key, self.config.performer_features, self.config.head_dim)
 
-    def key_sums(self, keys: Array, values: Array, segmentation: Array) -> tuple[Array, Array]:
-        """Performer's key_sums of keys/values [batch, length, heads, head_dim], padding (segmentation 0) left out:
-        what cross-attention reads at every decoding step, computed once."""
-        features = positive_features(keys, self.features(), query=False) * (segmentation != 0)[:, :, None, None]
-        return key_sums(features, values.astype(jnp.float32))
+    def key_sums(self, keys: Array, values: Array, segmentation: Array) -> dict[str, Array]:
+        """Performer's sums of keys/values [batch, length, heads, head_dim], padding (segmentation 0) left out, at
+        the shift the full pass takes: what cross-attention reads at every decoding step, computed once ->
+        {"state": [batch, heads, m, head_dim], "total": [batch, heads, m], "shift": [batch, 1, heads, m]}."""
+        exponents = key_exponents(keys, self.features(), segmentation)
+        shift = key_shift(exponents, 1)
+        state, total = key_sums(key_features(exponents, shift), values.astype(jnp.float32))
+        return {"state": state, "total": total, "shift": shift}
 
-    def attend_sums(self, x: Array, state: Array, total: Array, keys: Array | None = None,
-                    values: Array | None = None) -> tuple[Array, Array, Array]:
-        """Performer over running sums, for cached decoding: queries from x [batch, n, embed] read state [batch,
-        (n,) heads, m, head_dim] and total [batch, (n,) heads, m] (key_sums), each query its own where they have
-        the n axis; given keys/values [batch, n, heads, head_dim], query i's own key and value are first added to
-        its sums (causal self-attention: a constant state per step, however long the output) -> (output
-        [batch, n, embed], state, total)."""
+    def attend_sums(self, x: Array, sums: dict[str, Array], keys: Array | None = None,
+                    values: Array | None = None) -> tuple[Array, dict[str, Array]]:
+        """Performer over running sums, for cached decoding: queries from x [batch, n, embed] read sums {"state":
+        [batch, (n,) heads, m, head_dim], "total": [batch, (n,) heads, m], "shift": the keys' [batch, n or 1,
+        heads, m]} (key_sums), each query its own where they have the n axis. Given keys/values [batch, n, heads,
+        head_dim], query i's own key and value first join its sums (causal self-attention: a constant state per
+        step, however long the output), the shift growing to take it and the sums rescaled (causal_sums' shift,
+        per position) -> (output [batch, n, embed], sums)."""
         features = self.features()
-        queries = positive_features(self.split_heads(self.query(x)), features, query=True)
         if keys is not None:
-            new_keys = positive_features(keys, features, query=False)
-            state = state + jnp.einsum("blhm,blhd->blhmd", new_keys, values.astype(jnp.float32))
-            total = total + new_keys
-        if state.ndim == 5:
-            numerator = jnp.einsum("blhm,blhmd->blhd", queries, state)
-            normalizer = jnp.einsum("blhm,blhm->blh", queries, total)
+            exponents = feature_exponents(keys, features)
+            shift = jnp.maximum(sums["shift"], exponents)
+            decay, new_keys = jnp.exp(sums["shift"] - shift), key_features(exponents, shift)
+            sums = {"state": decay[..., None] * sums["state"]
+                             + jnp.einsum("blhm,blhd->blhmd", new_keys, values.astype(jnp.float32)),
+                    "total": decay * sums["total"] + new_keys, "shift": shift}
+        queries = query_features(feature_exponents(self.split_heads(self.query(x)), features), sums["shift"])
+        if sums["state"].ndim == 5:
+            numerator = jnp.einsum("blhm,blhmd->blhd", queries, sums["state"])
+            normalizer = jnp.einsum("blhm,blhm->blh", queries, sums["total"])
         else:
-            numerator, normalizer = read_sums(queries, state, total)
-        attended = (numerator / jnp.where(normalizer == 0, 1, normalizer)[..., None]).astype(x.dtype)
-        return self.output(attended.reshape(*x.shape[:-1], self.config.emb_dim)), state, total
+            numerator, normalizer = read_sums(queries, sums["state"], sums["total"])
+        attended = normalized(numerator, normalizer, x.dtype)
+        return self.output(attended.reshape(*x.shape[:-1], self.config.emb_dim)), sums
 
     def attend_cache(self, x: Array, key_blocks: tuple[Array, ...], value_blocks: tuple[Array, ...], mask: Array,
                      last_row: Array | int = 0) -> Array:
@@ -623,7 +685,8 @@ class DecoderLayer(nnx.Module):
         cache = {}
         if self.self_attention.kind == "performer":
             shape = (batch, hypotheses, config.num_heads, config.performer_features)
-            cache.update(state=jnp.zeros((*shape, config.head_dim), jnp.float32), total=jnp.zeros(shape, jnp.float32))
+            cache.update(state=jnp.zeros((*shape, config.head_dim), jnp.float32), total=jnp.zeros(shape, jnp.float32),
+                         shift=jnp.full(shape, -jnp.inf, jnp.float32))
         else:
             length, dtype = rows // blocks, config.compute_dtype
             cache.update(key=tuple(jnp.zeros((batch, config.num_heads, config.head_dim, length), dtype)
@@ -632,8 +695,8 @@ class DecoderLayer(nnx.Module):
                                      for _ in range(blocks)))
         keys, values = self.cross_attention.keys_values(encoded)
         if self.cross_attention.kind == "performer":
-            cache["cross_state"], cache["cross_total"] = self.cross_attention.key_sums(keys, values,
-                                                                                       source_segmentation)
+            sums = self.cross_attention.key_sums(keys, values, source_segmentation)
+            cache.update({f"cross_{name}": array for name, array in sums.items()})
         else:
             cache["cross_key"], cache["cross_value"] = to_cache_layout(keys, values)
         return cache
@@ -655,8 +718,9 @@ class DecoderLayer(nnx.Module):
             if cache is None:
                 return self.self_attention(y, keys, values, self_mask, **kw)
             if "state" in cache:  # performer: this position's key and value join each hypothesis's running sums
-                y, state, total = self.self_attention.attend_sums(y, cache["state"], cache["total"], keys, values)
-                cache = {**cache, "state": state, "total": total}
+                y, sums = self.self_attention.attend_sums(y, {name: cache[name] for name in PERFORMER_SUMS},
+                                                          keys, values)
+                cache = {**cache, **sums}
                 return y
             keys, values = to_cache_layout(keys, values)
             cache = {**cache, "key": write_cache_rows(cache["key"], keys, 3, cache_index),
@@ -668,7 +732,8 @@ class DecoderLayer(nnx.Module):
             if cache is None:
                 return self.cross_attention(y, *self.cross_attention.keys_values(encoded), cross_mask, **kw)
             if "cross_state" in cache:
-                return self.cross_attention.attend_sums(y, cache["cross_state"], cache["cross_total"])[0]
+                return self.cross_attention.attend_sums(
+                    y, {name: cache[f"cross_{name}"] for name in PERFORMER_SUMS})[0]
             return self.cross_attention.attend_cache(y, (cache["cross_key"],), (cache["cross_value"],), cross_mask)
 
         x = self.self_attention_residual(x, self_attend, **kw)
@@ -920,7 +985,7 @@ class Transformer(nnx.Module):
             parents = jnp.take(history, jnp.maximum(position - 1, 0), axis=2)  # [batch, hypotheses]
             def follow(x):
                 return jnp.take_along_axis(x, parents.reshape(*parents.shape, *[1] * (x.ndim - 2)), axis=1)
-            layers = [{**layer, "state": follow(layer["state"]), "total": follow(layer["total"])} for layer in layers]
+            layers = [{**layer, **{name: follow(layer[name]) for name in PERFORMER_SUMS}} for layer in layers]
         x, layers = self._decoder_stack(x, None, None, cache["source_mask"], deterministic=True, rngs=None,
                                         caches=layers, cache_index=position)
         return self.logits(x), {**cache, "layers": layers}
