@@ -70,6 +70,16 @@ def get_config() -> ml_collections.ConfigDict:
     model.local_window = 16  # r of local attention: keys at distance <= r (a decoding cache of r + 1 positions)
     model.linformer_length = 32  # k of linformer: the projected length (inputs up to model.max_length tokens)
     model.performer_features = 256  # m of performer: random features, drawn from config.seed (a state of m x d_k)
+    # Mixture of experts (docs/moe.md): the feed-forward of every expert_every-th layer of each stack becomes
+    # num_experts feed-forwards, each token routed to its experts_per_token best (top-k token choice) within the
+    # capacity of each expert; the load-balancing and router z-losses join the training loss.
+    model.num_experts = 0  # 0: the paper's one feed-forward in every layer
+    model.expert_every = 2  # layers expert_every - 1, 2 expert_every - 1, ... of each stack (2: every other, GShard)
+    model.experts_per_token = 2  # top-k routing: 1 (Switch) | 2 (GShard)
+    model.capacity_factor = 1.25  # each expert takes capacity_factor x k x row tokens / num_experts per row
+    model.eval_capacity_factor = 2.0  # the same in evaluation and decoding (0: no limit, no token dropped)
+    model.router_balance_weight = 0.01  # weight of the load-balancing loss (1.0 when balanced; Switch's alpha)
+    model.router_z_weight = 0.001  # weight of the router z-loss, mean squared logsumexp of the router (ST-MoE)
     model.remat = False  # recompute each layer in the backward pass: less activation memory, ~1/3 more compute
     model.scan_layers = False  # one lax.scan per stack, params [layers, ...]: compile time flat in depth (another layout)
     model.init_std = 0.0  # 0: lecun-normal kernels, N(0, d^-0.5) embeddings; > 0: all N(0, init_std) (Marian: 0.02)
@@ -108,14 +118,15 @@ def get_config() -> ml_collections.ConfigDict:
     train.wandb_project = ""  # also log to this Weights & Biases project (pip install -e ".[wandb]")
     train.profile_steps = ""  # "N-M": a profiler trace of steps N to M in workdir/profile (TensorBoard, Perfetto)
 
-    # Devices: a mesh of (data, fsdp, tensor); one size may be -1 (the remaining devices). Logical axis names
+    # Devices: a mesh of (data, fsdp, expert, tensor); one size may be -1 (the remaining devices). Logical axis names
     # of the parameters map to mesh axes by `rules` (transformer/sharding.py): `name=axis[+axis], ...`.
     config.mesh = mesh = ml_collections.ConfigDict()
     mesh.data = -1  # data parallelism (parameters replicated)
     mesh.fsdp = 1  # fully sharded data parallelism (parameters and optimizer state split along `embed`)
     mesh.tensor = 1  # tensor parallelism (`mlp`, `heads`, `vocab` split)
+    mesh.expert = 1  # expert parallelism: a mixture of experts' experts split, the batch too (model.num_experts)
     # logical axis -> mesh axes; `layers` (model.scan_layers' stacked axis) stays whole: a scan reads every layer
-    mesh.rules = "batch=data+fsdp, embed=fsdp, mlp=tensor, heads=tensor, vocab=tensor, layers=none"
+    mesh.rules = "batch=data+fsdp+expert, embed=fsdp, mlp=tensor, heads=tensor, vocab=tensor, expert=expert, layers=none"
 
     config.decode = decode = ml_collections.ConfigDict()
     decode.batch_size = 256  # sentences per decoding batch

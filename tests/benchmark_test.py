@@ -25,7 +25,7 @@ def test_the_train_benchmark_reports_median_step_tokens_per_second_and_mfu(tmp_p
     assert result.returncode == 0, result.stderr[-3000:]
     (line,) = output.read_text().splitlines()
     bench = json.loads(line)
-    assert bench["mode"] == "train" and bench["steps"] == 3 and bench["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert bench["mode"] == "train" and bench["steps"] == 3 and bench["mesh"] == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
     median = bench["median_step_seconds"]
     assert bench["min_step_seconds"] <= median <= bench["max_step_seconds"] and bench["compile_seconds"] > 0
     # The synthetic batch has no padding: 4 x 6 target and 4 x 10 source tokens a step.

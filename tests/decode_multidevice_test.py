@@ -53,11 +53,11 @@ def test_each_device_holds_its_own_rows_of_the_outputs(setup):
 
 
 def test_params_on_a_trainer_mesh_decode_on_its_batch_axes(setup):
-    """(data, fsdp, tensor) = (2, 2, 2) over the devices in reverse order, parameters split by the trainer's
+    """(data, fsdp, expert, tensor) = (2, 2, 1, 2) over the devices in reverse order, parameters split by the trainer's
     rules: the default batch sharding is the params' mesh (a mesh of jax.devices() is refused by jit)."""
     tokenizer, params, searches, one_device = setup
     mesh_config = sharding.MeshConfig(2, 2, 2)
-    mesh = Mesh(np.asarray(jax.devices()[::-1]).reshape(2, 2, 2), sharding.MESH_AXES)
+    mesh = Mesh(np.asarray(jax.devices()[::-1]).reshape(2, 2, 1, 2), sharding.MESH_AXES)
     abstract = nnx.eval_shape(lambda: Transformer(decode_setup.MODEL, rngs=nnx.Rngs(0)))
     placed = jax.device_put(params, sharding.param_shardings(abstract, params, mesh, mesh_config))
     assert decode.batch_sharding_for(placed) == sharding.batch_sharding(mesh, mesh_config)  # what the trainer passes

@@ -1,8 +1,8 @@
 """Sharded training on 8 fake CPU devices. Needs XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX
 starts, so sharding_test.py runs this module in a subprocess; in the ordinary 1-device session it is skipped.
 
-Fast: an accumulated step on (2,2,2) equals the big batch on (1,1,1), and so does a step of each attention kind;
-parameters are born sharded; a
+Fast: an accumulated step on (2,2,2) equals the big batch on (1,1,1), and so does a step of each attention kind
+and one of a mixture of experts split over an expert axis of 4; parameters are born sharded; a
 checkpoint saved on one mesh restores onto another. Slow: one step with dropout on (8,1,1), (2,4,1), (2,2,2)
 equals (1,1,1); accumulation over 4 slices on (2,1,1); bfloat16 trains.
 """
@@ -53,9 +53,12 @@ def setup(mesh_sizes, model=MODEL, num_microbatches=1):
 
 
 @functools.cache
-def one_step(mesh_sizes, num_microbatches=1, dropout_rate=0.1, kind="dense"):
+def one_step(mesh_sizes, num_microbatches=1, dropout_rate=0.1, kind="dense", experts=0):
     kinds = {field: kind if kind in allowed else "dense" for field, allowed in ATTENTION_KINDS.items()}
     model = dataclasses.replace(MODEL, dropout_rate=dropout_rate, local_window=3, performer_features=16, **kinds)
+    if experts:  # every layer a mixture, top-2, with room for every token (capacity = k x row / E x E / k)
+        model = dataclasses.replace(model, num_experts=experts, experts_per_token=2, expert_every=1,
+                                    capacity_factor=experts / 2)
     state, train, batch_sharding, _, _ = setup(mesh_sizes, model, num_microbatches)
     born = jax.tree.map(lambda x: (x.sharding, x.addressable_shards[0].data.shape), state)  # before donation
     state, metrics = train(state, sharding.place_batch(make_batch(), batch_sharding))
@@ -88,6 +91,20 @@ def test_each_attention_kind_steps_on_2x2x2_as_on_one_device(kind):
     (performer in all three sublayers): the kind's own computation (local's blocks, linformer's projection,
     performer's sums), sharded over data, fsdp and tensor, gives the one-device step."""
     assert_same_step(one_step((2, 2, 2), dropout_rate=0.0, kind=kind), one_step((1, 1, 1), dropout_rate=0.0, kind=kind))
+
+
+def test_experts_split_over_an_expert_axis_of_4_step_as_on_one_device():
+    """(data, fsdp, tensor, expert) = (2, 1, 1, 4): each device holds one of the 4 experts of every layer and a
+    quarter of the rows of the data shard; with capacity for every token, the step is the one-device step, the
+    router's losses and loads included."""
+    sharded, single = one_step((2, 1, 1, 4), dropout_rate=0.0, experts=4), one_step((1, 1, 1), dropout_rate=0.0,
+                                                                                      experts=4)
+    assert_same_step(sharded, single)
+    for key in ("router_balance", "router_z", "expert_dropped", "expert_load_max"):
+        np.testing.assert_allclose(sharded[1][key], single[1][key], rtol=1e-5, err_msg=key)
+    assert single[1]["expert_dropped"] == 0
+    expert_sharding, expert_shard = sharded[2].params["encoder_layers"][0]["feed_forward"]["hidden"]
+    assert expert_sharding.spec[0] == "expert" and expert_shard == (1, 32, 64)  # [experts, embed, mlp]
 
 
 def test_parameters_and_moments_are_born_sharded_by_their_logical_names():
@@ -169,7 +186,7 @@ def test_compile_only_reports_the_memory_per_device_of_a_mesh_before_anything_is
     result = benchmark.run_compile_only(config, sizes)
     memory = result["memory"]
     assert result["mode"] == "compile_only" and result["devices"] == 8
-    assert result["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert result["mesh"] == {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
     assert (result["batch"], result["source_length"], result["vocab_size"], result["tokens_per_step"]) == (8, 12, 64, 96)
     assert memory["total_per_device_bytes"] == (memory["argument_size_in_bytes"] + memory["output_size_in_bytes"]
                                                 - memory["alias_size_in_bytes"] + memory["temp_size_in_bytes"])

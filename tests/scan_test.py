@@ -109,7 +109,8 @@ def test_dropout_draws_a_key_per_layer():
                                   deterministic=False, rngs=rngs)
         keys = jax.random.split(rngs.dropout(), len(model.encoder_layers))
         for index, layer in enumerate(model.encoder_layers):
-            x = layer(x, mask, deterministic=False, rngs=nnx.Rngs(dropout=keys[0 if shared else index]))
+            x, _ = layer(x, mask, segmentation != 0, deterministic=False,
+                         rngs=nnx.Rngs(dropout=keys[0 if shared else index]))
         return x
 
     out = scanned(model, key)

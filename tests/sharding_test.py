@@ -17,7 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_logical_names_map_through_the_rules_table():
     rules = sharding.MeshConfig().logical_rules
-    assert sharding.logical_to_mesh(("batch", "length"), rules) == PartitionSpec(("data", "fsdp"), None)
+    assert sharding.logical_to_mesh(("batch", "length"), rules) == PartitionSpec(("data", "fsdp", "expert"), None)
+    assert sharding.logical_to_mesh(("expert", "embed", "mlp"), rules) == PartitionSpec("expert", "fsdp", "tensor")
     assert sharding.logical_to_mesh(("embed", "mlp"), rules) == PartitionSpec("fsdp", "tensor")
     assert sharding.logical_to_mesh((None, "embed"), rules) == PartitionSpec(None, "fsdp")
     # a mesh axis appears once per array: the second `tensor` dimension stays whole

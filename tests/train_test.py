@@ -380,7 +380,7 @@ def test_run_json_records_the_batch_and_each_starts_provenance(trained_workdir):
     assert record["batch"] == {"rows": 8, "row_length": 48}  # 384 tokens of 48
     start = record["starts"][0]
     assert (start["devices"], start["processes"], start["tokens_per_step"]) == (1, 1, 384)
-    assert start["packages"]["jax"] == jax.__version__ and start["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert start["packages"]["jax"] == jax.__version__ and start["mesh"] == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
     assert start["commit"] is None or re.fullmatch(r"[0-9a-f]{40}", start["commit"])
     fractions = [r["input_wait_fraction"] for r in metric_records(workdir) if r["split"] == "train"]
     assert fractions and all(0.0 <= f < 1.0 for f in fractions)

@@ -455,7 +455,7 @@ def make_search(graphdef: nnx.GraphDef, *, max_extra_length: int, beam_size: int
 
 
 def batch_sharding_for(params: PyTree = None) -> NamedSharding:
-    """The default split of a decoding batch's rows: over the batch axes (data, fsdp) of the mesh the params
+    """The default split of a decoding batch's rows: over the batch axes (data, fsdp, expert) of the mesh the params
     are sharded on (jit refuses arrays on two meshes that order the same devices differently), or over every
     device (jax.devices()) when they are on no mesh."""
     leaf = next((x for x in jax.tree.leaves(params) if isinstance(getattr(x, "sharding", None), NamedSharding)),

@@ -87,6 +87,13 @@ class ModelConfig:
     local_window: int
     linformer_length: int
     performer_features: int
+    num_experts: int  # mixture of experts (MoEFeedForward): 0 for none
+    expert_every: int
+    experts_per_token: int
+    capacity_factor: float
+    eval_capacity_factor: float
+    router_balance_weight: float
+    router_z_weight: float
     remat: bool
     # Each stack's layers as one LayerStack (parameters with a leading `layers` axis) applied by one lax.scan, so
     # the train step compiles one layer per stack whatever the depth; the same model, another parameter layout.
@@ -125,6 +132,22 @@ class ModelConfig:
         checks.append((not performers or self.attention_dropout_rate == 0.0,
                        f"{performers[0] if performers else ''}='performer' forms no attention weights for "
                        f"attention_dropout_rate={self.attention_dropout_rate} to drop: set it to 0"))
+        if self.num_experts:
+            checks += [
+                (self.num_experts >= 1, f"num_experts={self.num_experts} must be >= 0"),
+                (1 <= self.experts_per_token <= self.num_experts,
+                 f"experts_per_token={self.experts_per_token} must be in [1, num_experts={self.num_experts}]"),
+                (self.expert_every >= 1, f"expert_every={self.expert_every} must be >= 1"),
+                (self.capacity_factor > 0, f"capacity_factor={self.capacity_factor} must be > 0"),
+                (self.eval_capacity_factor >= 0, f"eval_capacity_factor={self.eval_capacity_factor} must be >= 0 "
+                                                 "(0: no limit)"),
+                (min(self.router_balance_weight, self.router_z_weight) >= 0,
+                 f"router_balance_weight={self.router_balance_weight} and router_z_weight={self.router_z_weight} "
+                 "must be >= 0"),
+                (not self.scan_layers or self.expert_every == 1,
+                 f"scan_layers=True stacks identical layers, and expert_every={self.expert_every} makes every "
+                 f"{self.expert_every}th one a mixture of experts: set expert_every=1 or scan_layers=False"),
+            ]
         for rate_name in ("dropout_rate", "attention_dropout_rate", "relu_dropout_rate"):
             rate = getattr(self, rate_name)
             checks.append((0.0 <= rate < 1.0, f"{rate_name}={rate} must be in [0, 1)"))
@@ -142,6 +165,13 @@ class ModelConfig:
         columns; sinusoids alone have no limit."""
         limited = self.positional_encoding == "learned" or self.encoder_attention == "linformer"
         return self.max_length if limited else None
+
+    def is_expert_layer(self, index: int) -> bool:
+        """Whether layer `index` of a stack has a mixture of experts (every expert_every-th: GShard's every other)."""
+        return self.num_experts > 0 and index % self.expert_every == self.expert_every - 1
+
+    def expert_layers(self, count: int) -> int:
+        return sum(self.is_expert_layer(index) for index in range(count))
 
     @property
     def compute_dtype(self) -> Any:
@@ -349,8 +379,8 @@ def key_features(exponents: Array, shift: Array) -> Array:
 def query_features(exponents: Array, shift: Array, largest: Array | None = None) -> Array:
     """phi(q) [batch, length, heads, m] of query exponents, over keys whose features were shifted by `shift`
     (broadcast), each query at a constant that makes its largest term 1 over keys whose largest exponents are
-    `largest` (default: shift). Capped at exp(PERFORMER_CAP): only a read of keys shifted past what the query sees (causal_sums'
-    own block) reaches it, and it keeps the sums and their gradients finite."""
+    `largest` (default: shift). Capped at exp(PERFORMER_CAP): only a read of keys shifted past what the query
+    sees (causal_sums' own block) reaches it, and it keeps the sums and their gradients finite."""
     largest = shift if largest is None else largest
     own = jax.lax.stop_gradient(jnp.max(exponents + largest, axis=-1, keepdims=True))
     return jnp.exp(jnp.minimum(exponents + shift - own, PERFORMER_CAP)) / math.sqrt(exponents.shape[-1])
@@ -631,6 +661,119 @@ class FeedForward(nnx.Module):
         return self.output(hidden)
 
 
+# What each mixture-of-experts layer reports, averaged over the model's expert layers (Transformer.__call__).
+ROUTER_STATS = ("router_balance", "router_z", "expert_dropped", "expert_load_max")
+
+
+def expert_capacity(tokens: int, config: ModelConfig, deterministic: bool) -> int:
+    """Assignments each expert takes from one row of `tokens` tokens: capacity_factor x k x tokens / experts,
+    rounded up (eval_capacity_factor when deterministic; 0 there: every assignment, none dropped)."""
+    factor = config.eval_capacity_factor if deterministic else config.capacity_factor
+    if factor == 0:
+        return tokens * config.experts_per_token
+    return max(1, math.ceil(factor * config.experts_per_token * tokens / config.num_experts))
+
+
+def route(logits: Array, real: Array, experts_per_token: int, capacity: int) -> tuple[Array, Array, Array]:
+    """Top-k token-choice routing with expert capacity (GShard; Switch for k = 1), per row: router logits
+    [batch, length, experts] float32 and the real (non-padding) tokens [batch, length] ->
+    (dispatch [batch, length, experts, capacity] 0/1, combine weights (the gates at the dispatched slots),
+    stats [len(ROUTER_STATS)]).
+
+    Gates: the softmax of the logits at each token's k best experts, renormalised to sum 1 when k > 1 (GShard),
+    the raw probability when k = 1 (Switch). An expert takes assignments in priority order, every token's first
+    choice (by position) before any second choice, up to `capacity` per row; the rest are dropped (the token keeps
+    its residual path), and padding is never routed.
+
+    Load-balancing loss, normalised so that it is 1 under perfectly uniform routing for any k:
+        router_balance = E * sum_e f_e * P_e,
+        f_e = (assignments to expert e among the top-k, before capacity) / (k * real tokens),
+        P_e = mean over real tokens of the router probability of e,
+    Switch's eq. 4 (Fedus et al. 2021) for k = 1; for k > 1 it is flaxformer's / ST-MoE's top-k form divided by k
+    (theirs counts each token k times, so its uniform value is k, not 1). router_z (ST-MoE eq. 5): the mean over
+    real tokens of logsumexp(logits)^2. expert_dropped: the share of assignments over capacity;
+    expert_load_max: E * max_e f_e (1 when balanced, E when one expert takes everything)."""
+    batch, length, experts = logits.shape
+    real = real.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    gates, chosen = jax.lax.top_k(probs, experts_per_token)  # [batch, length, k]
+    if experts_per_token > 1:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    wanted = jax.nn.one_hot(chosen, experts, dtype=jnp.float32) * real[..., None, None]  # [b, length, k, experts]
+    # Priority: choice rank first, then position: [batch, k * length, experts], first choices first.
+    ordered = jnp.swapaxes(wanted, 1, 2).reshape(batch, experts_per_token * length, experts)
+    slot = ((jnp.cumsum(ordered, axis=1) - 1) * ordered).astype(jnp.int32)
+    kept = ordered * (slot < capacity)
+    slots = jax.nn.one_hot(slot, capacity, dtype=jnp.float32) * kept[..., None]  # [b, k * length, experts, cap]
+    slots = jnp.swapaxes(slots.reshape(batch, experts_per_token, length, experts, capacity), 1, 2)
+    dispatch = jnp.sum(slots, axis=2)  # a token's k choices are distinct experts: at most one slot per expert
+    combine = jnp.sum(slots * gates[..., None, None], axis=2)
+    tokens = jnp.maximum(jnp.sum(real), 1.0)
+    assigned = jnp.sum(wanted, axis=(0, 1, 2))  # [experts]
+    share = assigned / (experts_per_token * tokens)
+    mean_probs = jnp.sum(probs * real[..., None], axis=(0, 1)) / tokens
+    stats = jnp.stack([experts * jnp.sum(share * mean_probs),
+                       jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2 * real) / tokens,
+                       1.0 - jnp.sum(kept) / jnp.maximum(jnp.sum(ordered), 1.0),
+                       experts * jnp.max(share)])
+    return dispatch, combine, stats
+
+
+class MoEFeedForward(nnx.Module):
+    """A mixture of experts in place of the feed-forward: num_experts FeedForwards (weights [experts, ...], the
+    `expert` logical axis, which mesh.rules may map to the mesh's expert axis) and a float32 router; each token
+    goes to its experts_per_token best within capacity (route), its output the gate-weighted sum of theirs.
+    Rows are the routing groups: capacity is per row, so a step's dispatch tensors are [batch, length, experts,
+    capacity], local to the devices that hold the row."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        experts, d, ff = config.num_experts, config.emb_dim, config.mlp_dim
+        base = (nnx.initializers.normal(config.init_std) if config.init_std  # lecun's fan-in is d (d_ff) per expert
+                else nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,)))
+        zeros = nnx.initializers.zeros_init()
+
+        def param(init, shape, *names):
+            return nnx.Param(partitioned(init, *names)(rngs.params(), shape, jnp.float32))
+        self.router = param(base, (d, experts), "embed", None)
+        self.hidden = param(base, (experts, d, ff), "expert", "embed", "mlp")
+        self.hidden_bias = param(zeros, (experts, ff), "expert", "mlp")
+        self.output = param(base, (experts, ff, d), "expert", "mlp", "embed")
+        self.output_bias = param(zeros, (experts, d), "expert", "embed")
+        self.dropout = nnx.Dropout(config.relu_dropout_rate)
+
+    def __call__(self, x: Array, real: Array, *, deterministic: bool, rngs: nnx.Rngs | None,
+                 capacity: int | None = None) -> tuple[Array, Array]:
+        """x [batch, length, embed], real [batch, length] -> ([batch, length, embed], stats [len(ROUTER_STATS)]).
+        capacity: per expert and row (default: expert_capacity's, for training or evaluation)."""
+        config, dtype = self.config, self.config.compute_dtype
+        logits = jnp.einsum("bld,de->ble", x.astype(jnp.float32), self.router[...])
+        capacity = capacity or expert_capacity(x.shape[1], config, deterministic)
+        dispatch, combine, stats = route(logits, real, config.experts_per_token, capacity)
+        inputs = jnp.einsum("blec,bld->becd", dispatch.astype(dtype), x.astype(dtype))
+        hidden = jnp.einsum("becd,edf->becf", inputs, self.hidden[...].astype(dtype)) + self.hidden_bias[...][:, None]
+        hidden = self.dropout(jax.nn.relu(hidden.astype(dtype)), deterministic=deterministic, rngs=rngs)
+        outputs = (jnp.einsum("becf,efd->becd", hidden, self.output[...].astype(dtype))
+                   + self.output_bias[...][:, None]).astype(dtype)
+        return jnp.einsum("blec,becd->bld", combine.astype(dtype), outputs).astype(x.dtype), stats
+
+
+def feed_forward(config: ModelConfig, index: int, rngs: nnx.Rngs) -> nnx.Module:
+    return MoEFeedForward(config, rngs=rngs) if config.is_expert_layer(index) else FeedForward(config, rngs=rngs)
+
+
+def apply_feed_forward(module: nnx.Module, x: Array, real: Array | None, **kw) -> tuple[Array, Array]:
+    """Either feed-forward -> (output, router stats; zeros for the dense one). real None (cached decoding): every
+    token, without capacity: a step holds a row's few hypotheses, and a capacity would make one hypothesis's
+    output depend on which experts the others chose."""
+    if isinstance(module, MoEFeedForward):
+        if real is None:
+            return module(x, jnp.ones(x.shape[:2], bool), capacity=x.shape[1] * module.config.experts_per_token,
+                          **kw)
+        return module(x, real, **kw)
+    return module(x, **kw), jnp.zeros(len(ROUTER_STATS), jnp.float32)
+
+
 def layer_norm(config: ModelConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
     return nnx.LayerNorm(config.emb_dim, epsilon=config.layer_norm_epsilon, dtype=config.compute_dtype,
                          scale_init=partitioned(nnx.initializers.ones_init(), "embed"),
@@ -652,28 +795,40 @@ class Residual(nnx.Module):
 
 
 class EncoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, index: int = 0):
         self.self_attention = MultiHeadAttention(config, "encoder_attention", rngs=rngs)
         self.self_attention_residual = Residual(config, rngs=rngs)
-        self.feed_forward = FeedForward(config, rngs=rngs)
+        self.feed_forward = feed_forward(config, index, rngs)
         self.feed_forward_residual = Residual(config, rngs=rngs)
 
-    def __call__(self, x: Array, mask: Array | SelfMask, *, deterministic: bool, rngs: nnx.Rngs | None) -> Array:
-        """x [batch, length, embed] -> [batch, length, embed]."""
+    def __call__(self, x: Array, mask: Array | SelfMask, real: Array, *, deterministic: bool,
+                 rngs: nnx.Rngs | None) -> tuple[Array, Array]:
+        """x [batch, length, embed], real [batch, length] (not padding) -> ([batch, length, embed], router stats)."""
         kw = dict(deterministic=deterministic, rngs=rngs)
         def attend(y):
             return self.self_attention(y, *self.self_attention.keys_values(y), mask, **kw)
         x = self.self_attention_residual(x, attend, **kw)
-        return self.feed_forward_residual(x, lambda y: self.feed_forward(y, **kw), **kw)
+        return feed_forward_sublayer(self, x, real, kw)
+
+
+def feed_forward_sublayer(layer: nnx.Module, x: Array, real: Array | None, kw: dict) -> tuple[Array, Array]:
+    """A layer's last sublayer, the (mixture of experts or dense) feed-forward in its residual -> (x, stats)."""
+    stats = []
+    def feed(y):
+        y, layer_stats = apply_feed_forward(layer.feed_forward, y, real, **kw)
+        stats.append(layer_stats)
+        return y
+    x = layer.feed_forward_residual(x, feed, **kw)
+    return x, stats[0]
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, index: int = 0):
         self.self_attention = MultiHeadAttention(config, "decoder_attention", rngs=rngs)
         self.self_attention_residual = Residual(config, rngs=rngs)
         self.cross_attention = MultiHeadAttention(config, "cross_attention", rngs=rngs)
         self.cross_attention_residual = Residual(config, rngs=rngs)
-        self.feed_forward = FeedForward(config, rngs=rngs)
+        self.feed_forward = feed_forward(config, index, rngs)
         self.feed_forward_residual = Residual(config, rngs=rngs)
 
     def init_cache(self, encoded: Array, source_segmentation: Array, rows: int, blocks: int,
@@ -701,10 +856,11 @@ class DecoderLayer(nnx.Module):
             cache["cross_key"], cache["cross_value"] = to_cache_layout(keys, values)
         return cache
 
-    def __call__(self, x: Array, encoded: Array | None, self_mask: Array, cross_mask: Array, *, deterministic: bool,
-                 rngs: nnx.Rngs | None, cache: dict[str, Any] | None = None,
-                 cache_index: Array | None = None) -> tuple[Array, dict[str, Any] | None]:
-        """x [batch, length, embed], encoded [batch, src_length, embed] -> ([batch, length, embed], cache).
+    def __call__(self, x: Array, encoded: Array | None, self_mask: Array, cross_mask: Array, real: Array | None, *,
+                 deterministic: bool, rngs: nnx.Rngs | None, cache: dict[str, Any] | None = None,
+                 cache_index: Array | None = None) -> tuple[Array, dict[str, Any] | None, Array]:
+        """x [batch, length, embed], encoded [batch, src_length, embed], real [batch, length] (not padding; None:
+        every position) -> ([batch, length, embed], cache, router stats).
 
         With a cache (init_cache), x holds the queries of cache rows cache_index ... cache_index + length - 1
         (they lie in one block): their keys/values are written there, each query attends to the cache rows
@@ -738,8 +894,8 @@ class DecoderLayer(nnx.Module):
 
         x = self.self_attention_residual(x, self_attend, **kw)
         x = self.cross_attention_residual(x, cross_attend, **kw)
-        x = self.feed_forward_residual(x, lambda y: self.feed_forward(y, **kw), **kw)
-        return x, cache
+        x, stats = feed_forward_sublayer(self, x, real, kw)
+        return x, cache, stats
 
 
 # The leading axis of a LayerStack's parameters: the logical name sharding.py's rules keep whole.
@@ -783,31 +939,39 @@ class LayerStack(nnx.Module):
         graphdef, state = nnx.split(self.stacked)
         return iter([self._view(graphdef, jax.tree.map(lambda x, i=i: x[i], state)) for i in range(self.count)])
 
-    def scan(self, call, x: Array, *, rngs: nnx.Rngs | None) -> Array:
-        """x = call(layer, x, layer_rngs) through each layer in turn, in one jax.lax.scan. Layer i draws its dropout
-        from its own key, the i-th of a split of one draw from `rngs` (None: no randomness)."""
+    def scan(self, call, x: Array, *, rngs: nnx.Rngs | None) -> tuple[Array, Array]:
+        """x, stats = call(layer, x, layer_rngs) through each layer in turn, in one jax.lax.scan -> (x, the sum of
+        the layers' router stats). Layer i draws its dropout from its own key, the i-th of a split of one draw from
+        `rngs` (None: no randomness)."""
         graphdef, state = nnx.split(self.stacked)
         keys = None if rngs is None else jax.random.split(rngs.dropout(), self.count)
 
-        def body(x, inputs):
-            layer_state, key = inputs
+        def body(carry, inputs):
+            (x, total), (layer_state, key) = carry, inputs
             layer_rngs = None if key is None else nnx.Rngs(dropout=key)
-            return call(self._view(graphdef, layer_state), x, layer_rngs), None
-        return jax.lax.scan(body, x, (state, keys))[0]
+            x, stats = call(self._view(graphdef, layer_state), x, layer_rngs)
+            return (x, total + stats), None
+        return jax.lax.scan(body, (x, jnp.zeros(len(ROUTER_STATS), jnp.float32)), (state, keys))[0]
 
 
 def run_layers(layers: nnx.List | LayerStack, call, x: Array, rngs: nnx.Rngs | None,
-               caches: list | None = None) -> tuple[Array, list | None]:
-    """x, cache = call(layer, x, rngs, cache) through each layer in turn -> (x, the layers' new caches). Without
-    caches (None to each call): one lax.scan over a LayerStack, a loop over a list. With caches (cached decoding,
-    one per layer), a loop either way: a LayerStack gives each layer as a view of its slice."""
+               caches: list | None = None) -> tuple[Array, list | None, Array]:
+    """x, cache, stats = call(layer, x, rngs, cache) through each layer in turn -> (x, the layers' new caches, the
+    sum of their router stats). Without caches (None to each call): one lax.scan over a LayerStack, a loop over a
+    list. With caches (cached decoding, one per layer), a loop either way: a LayerStack gives each layer as a view
+    of its slice."""
     if caches is None and isinstance(layers, LayerStack):
-        return layers.scan(lambda layer, x, rngs: call(layer, x, rngs, None)[0], x, rngs=rngs), None
-    new_caches = []
+        def scanned(layer, x, rngs):
+            x, _, stats = call(layer, x, rngs, None)
+            return x, stats
+        x, total = layers.scan(scanned, x, rngs=rngs)
+        return x, None, total
+    new_caches, total = [], jnp.zeros(len(ROUTER_STATS), jnp.float32)
     for layer, cache in zip(layers, [None] * len(layers) if caches is None else caches, strict=True):
-        x, cache = call(layer, x, rngs, cache)
+        x, cache, stats = call(layer, x, rngs, cache)
         new_caches.append(cache)
-    return x, None if caches is None else new_caches
+        total = total + stats
+    return x, None if caches is None else new_caches, total
 
 
 def stack_layer_params(params: dict) -> dict:
@@ -844,10 +1008,10 @@ class Transformer(nnx.Module):
             self.encoder_layers = LayerStack(EncoderLayer, config, config.num_encoder_layers, rngs=rngs)
             self.decoder_layers = LayerStack(DecoderLayer, config, config.num_decoder_layers, rngs=rngs)
         else:
-            self.encoder_layers = nnx.List([EncoderLayer(config, rngs=rngs)
-                                            for _ in range(config.num_encoder_layers)])
-            self.decoder_layers = nnx.List([DecoderLayer(config, rngs=rngs)
-                                            for _ in range(config.num_decoder_layers)])
+            self.encoder_layers = nnx.List([EncoderLayer(config, rngs=rngs, index=index)
+                                            for index in range(config.num_encoder_layers)])
+            self.decoder_layers = nnx.List([DecoderLayer(config, rngs=rngs, index=index)
+                                            for index in range(config.num_decoder_layers)])
         if config.layer_norm == "pre":  # pre-LN leaves the residual stream unnormalised: close each stack
             self.encoder_norm = layer_norm(config, rngs)
             self.decoder_norm = layer_norm(config, rngs)
@@ -855,14 +1019,19 @@ class Transformer(nnx.Module):
     def encode(self, inputs: Array, *, inputs_segmentation: Array | None = None, inputs_position: Array | None = None,
                deterministic: bool = True, rngs: nnx.Rngs | None = None) -> Array:
         """inputs [batch, src_length] int -> encoded [batch, src_length, embed]."""
-        mask = SelfMask(segmentation_of(inputs, inputs_segmentation))
+        return self._encode(inputs, inputs_segmentation, inputs_position, deterministic, rngs)[0]
+
+    def _encode(self, inputs, inputs_segmentation, inputs_position, deterministic, rngs) -> tuple[Array, Array]:
+        segmentation = segmentation_of(inputs, inputs_segmentation)
+        mask, real = SelfMask(segmentation), segmentation != 0
         if self.config.encoder_attention == "dense":  # the matrix once for the stack, not once per layer
             mask = mask.dense()
         x = self.source_embedder(inputs, positions_of(inputs, inputs_position), deterministic=deterministic, rngs=rngs)
         def layer_call(layer, x, rngs, cache):
-            return self._maybe_remat(layer, deterministic)(x, mask, rngs=rngs), cache
-        x, _ = run_layers(self.encoder_layers, layer_call, x, rngs)
-        return self.encoder_norm(x) if self.config.layer_norm == "pre" else x
+            x, stats = self._maybe_remat(layer, deterministic)(x, mask, real, rngs=rngs)
+            return x, cache, stats
+        x, _, stats = run_layers(self.encoder_layers, layer_call, x, rngs)
+        return (self.encoder_norm(x) if self.config.layer_norm == "pre" else x), stats
 
     def decode(self, decoder_inputs: Array, encoded: Array, inputs: Array, *,
                inputs_segmentation: Array | None = None, targets_segmentation: Array | None = None,
@@ -873,9 +1042,18 @@ class Transformer(nnx.Module):
 
         Without targets_segmentation every position is a query (position 0 holds the start symbol 0).
         """
+        return self._decode(decoder_inputs, encoded, inputs, inputs_segmentation, targets_segmentation,
+                            targets_position, deterministic, rngs)[0]
+
+    def _decode(self, decoder_inputs, encoded, inputs, inputs_segmentation, targets_segmentation, targets_position,
+                deterministic, rngs) -> tuple[Array, Array]:
         source_segmentation = segmentation_of(inputs, inputs_segmentation)
         if targets_segmentation is None:
             targets_segmentation = jnp.ones_like(decoder_inputs)
+            # An unpacked row's real positions for routing: the start symbol, then its nonzero inputs.
+            real = (decoder_inputs != 0) | (jnp.arange(decoder_inputs.shape[1]) == 0)
+        else:
+            real = targets_segmentation != 0
         self_mask = SelfMask(targets_segmentation, causal=True)
         if self.config.decoder_attention == "dense":
             self_mask = self_mask.dense()
@@ -884,18 +1062,19 @@ class Transformer(nnx.Module):
             cross_mask = SelfMask(source_segmentation)
         positions = positions_of(decoder_inputs, targets_position)
         x = self.target_embedder(decoder_inputs, positions, deterministic=deterministic, rngs=rngs)
-        x, _ = self._decoder_stack(x, encoded, self_mask, cross_mask, deterministic=deterministic, rngs=rngs)
-        return self.logits(x)
+        x, _, stats = self._decoder_stack(x, encoded, self_mask, cross_mask, real, deterministic=deterministic,
+                                          rngs=rngs)
+        return self.logits(x), stats
 
-    def _decoder_stack(self, x: Array, encoded: Array | None, self_mask: Array, cross_mask: Array, *,
-                       deterministic: bool, rngs: nnx.Rngs | None, caches: list | None = None,
-                       cache_index: Array | None = None) -> tuple[Array, list | None]:
+    def _decoder_stack(self, x: Array, encoded: Array | None, self_mask: Array, cross_mask: Array,
+                       real: Array | None, *, deterministic: bool, rngs: nnx.Rngs | None, caches: list | None = None,
+                       cache_index: Array | None = None) -> tuple[Array, list | None, Array]:
         """The decoder layers in turn, for `decode` (teacher-forced; under nnx.remat when config.remat) and
-        `decode_step` (with the layers' caches: see DecoderLayer)."""
+        `decode_step` (with the layers' caches: see DecoderLayer) -> (x, caches, router stats)."""
         def layer_call(layer, x, rngs, cache):
             if cache is None:
-                return self._maybe_remat(layer, deterministic)(x, encoded, self_mask, cross_mask, rngs=rngs)
-            return layer(x, None, self_mask, cross_mask, deterministic=True, rngs=None, cache=cache,
+                return self._maybe_remat(layer, deterministic)(x, encoded, self_mask, cross_mask, real, rngs=rngs)
+            return layer(x, None, self_mask, cross_mask, real, deterministic=True, rngs=None, cache=cache,
                          cache_index=cache_index)
         return run_layers(self.decoder_layers, layer_call, x, rngs, caches)
 
@@ -910,12 +1089,19 @@ class Transformer(nnx.Module):
     def __call__(self, inputs: Array, decoder_inputs: Array, *, inputs_segmentation: Array | None = None,
                  inputs_position: Array | None = None, targets_segmentation: Array | None = None,
                  targets_position: Array | None = None, deterministic: bool = True,
-                 rngs: nnx.Rngs | None = None) -> Array:
-        """The training pass: logits [batch, tgt_length, vocab] float32."""
-        kw = dict(deterministic=deterministic, rngs=rngs)
-        encoded = self.encode(inputs, inputs_segmentation=inputs_segmentation, inputs_position=inputs_position, **kw)
-        return self.decode(decoder_inputs, encoded, inputs, inputs_segmentation=inputs_segmentation,
-                           targets_segmentation=targets_segmentation, targets_position=targets_position, **kw)
+                 rngs: nnx.Rngs | None = None, with_router_stats: bool = False) -> Array | tuple[Array, dict]:
+        """The training pass: logits [batch, tgt_length, vocab] float32; with_router_stats: (logits, the
+        ROUTER_STATS of route() averaged over the model's expert layers, {} when it has none)."""
+        encoded, encoder_stats = self._encode(inputs, inputs_segmentation, inputs_position, deterministic, rngs)
+        logits, decoder_stats = self._decode(decoder_inputs, encoded, inputs, inputs_segmentation,
+                                             targets_segmentation, targets_position, deterministic, rngs)
+        if not with_router_stats:
+            return logits
+        config = self.config
+        layers = config.expert_layers(config.num_encoder_layers) + config.expert_layers(config.num_decoder_layers)
+        if not layers:
+            return logits, {}
+        return logits, dict(zip(ROUTER_STATS, (encoder_stats + decoder_stats) / layers))
 
     def logits(self, x: Array) -> Array:
         if self.config.layer_norm == "pre":
@@ -972,8 +1158,8 @@ class Transformer(nnx.Module):
             owner = jnp.take(history, jnp.maximum(held, 0), axis=2)
         visible = written[:, None] & (owner[..., None] == jnp.arange(count))
         self_mask = jnp.broadcast_to(visible, (batch, count, slots, count)).reshape(batch, 1, count, slots * count)
-        x, layers = self._decoder_stack(x, None, self_mask, cache["source_mask"], deterministic=True, rngs=None,
-                                        caches=cache["layers"], cache_index=position % slots * count)
+        x, layers, _ = self._decoder_stack(x, None, self_mask, cache["source_mask"], None, deterministic=True,
+                                           rngs=None, caches=cache["layers"], cache_index=position % slots * count)
         return self.logits(x), {**cache, "layers": layers}
 
     def _performer_step(self, x: Array, position: Array, cache: Cache,
@@ -986,6 +1172,6 @@ class Transformer(nnx.Module):
             def follow(x):
                 return jnp.take_along_axis(x, parents.reshape(*parents.shape, *[1] * (x.ndim - 2)), axis=1)
             layers = [{**layer, **{name: follow(layer[name]) for name in PERFORMER_SUMS}} for layer in layers]
-        x, layers = self._decoder_stack(x, None, None, cache["source_mask"], deterministic=True, rngs=None,
-                                        caches=layers, cache_index=position)
+        x, layers, _ = self._decoder_stack(x, None, None, cache["source_mask"], None, deterministic=True, rngs=None,
+                                           caches=layers, cache_index=position)
         return self.logits(x), {**cache, "layers": layers}

@@ -1,13 +1,15 @@
 """The device mesh, the logical-axis rules, and the shardings of the train state and of batches.
 
 The only module that maps logical axis names (carried by every parameter, see model.partitioned) to mesh
-axes. The mesh has three axes:
+axes. The mesh has four axes:
 
   data    pure data parallelism: parameters replicated, batch split;
   fsdp    batch split too, and parameters/optimizer state split along `embed` (ZeRO-3 / FSDP);
+  expert  batch split too, and a mixture of experts' `expert` dimension (expert parallelism, as GShard: the
+          other parameters replicated over it);
   tensor  Megatron-style model parallelism: `mlp`, `heads` and `vocab` dimensions split.
 
-Batches are split over (data, fsdp). The same code runs on one CPU, one GPU, a node or many hosts: a
+Batches are split over (data, fsdp, expert). The same code runs on one CPU, one GPU, a node or many hosts: a
 mesh of size 1 makes every sharding trivial.
 """
 
@@ -25,8 +27,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from transformer import config_files
 
 PyTree = Any
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")  # tensor innermost: the axis whose collectives are most frequent
+BATCH_AXES = ("data", "fsdp", "expert")
+AXES_NAMED = "(" + ", ".join(MESH_AXES) + ")"
 # flax lm1b's few-rule table: logical name = mesh axes (joined by +), comma-separated; `none` replicates.
 # `layers`, the leading axis of scanned layer stacks (model.scan_layers), stays whole: a scan step reads one
 # layer, so a split layer axis would gather each layer across devices at every step.
@@ -38,17 +41,19 @@ class MeshConfig:
     data: int
     fsdp: int
     tensor: int
+    expert: int
     rules: str
 
     def __post_init__(self):
         sizes = self.sizes
         if sum(size == -1 for size in sizes) > 1 or any(size == 0 or size < -1 for size in sizes):
-            raise ValueError(f"mesh sizes (data, fsdp, tensor)={sizes}: each must be positive, and at most one -1")
+            raise ValueError(f"mesh sizes {AXES_NAMED}={sizes}: each must be positive, and at most one -1")
         self.logical_rules  # validates the table
 
     @property
-    def sizes(self) -> tuple[int, int, int]:
-        return (self.data, self.fsdp, self.tensor)
+    def sizes(self) -> tuple[int, ...]:
+        """The sizes in MESH_AXES order."""
+        return tuple(getattr(self, axis) for axis in MESH_AXES)
 
     @property
     def logical_rules(self) -> dict[str, tuple[str, ...]]:
@@ -73,10 +78,10 @@ def mesh_shape(sizes: tuple[int, ...], num_devices: int) -> tuple[int, ...]:
     known = int(np.prod([size for size in sizes if size != -1]))
     if -1 in sizes:
         if num_devices % known:
-            raise ValueError(f"mesh (data, fsdp, tensor)={sizes}: {num_devices} devices are not divisible by {known}")
+            raise ValueError(f"mesh {AXES_NAMED}={sizes}: {num_devices} devices are not divisible by {known}")
         sizes = tuple(num_devices // known if size == -1 else size for size in sizes)
     if int(np.prod(sizes)) != num_devices:
-        raise ValueError(f"mesh (data, fsdp, tensor)={sizes} needs {int(np.prod(sizes))} devices; "
+        raise ValueError(f"mesh {AXES_NAMED}={sizes} needs {int(np.prod(sizes))} devices; "
                          f"there are {num_devices} (set one axis to -1 to take the rest)")
     return sizes
 
@@ -142,7 +147,7 @@ def train_state_shardings(abstract_state, abstract_model: nnx.Module, optimizer,
 
 
 def batch_sharding(mesh: Mesh, config: MeshConfig) -> NamedSharding:
-    """[batch, length] arrays: rows split over the `batch` rule's mesh axes (data, fsdp), lengths whole."""
+    """[batch, length] arrays: rows split over the `batch` rule's mesh axes (data, fsdp, expert), lengths whole."""
     return NamedSharding(mesh, PartitionSpec(config.logical_rules.get("batch", BATCH_AXES) or None))
 
 

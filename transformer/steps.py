@@ -19,10 +19,13 @@ import optax
 from flax import nnx
 
 from transformer import optim
+from transformer.model import ROUTER_STATS
 
 PyTree = Any
 SUM_KEYS = ("loss", "nll", "correct", "denominator", "source_tokens",  # summed over batches and steps
-            "encoder_pairs", "decoder_pairs", "cross_pairs", "nonfinite")
+            "encoder_pairs", "decoder_pairs", "cross_pairs", "nonfinite") + ROUTER_STATS
+# A mixture of experts' router stats (model.route) leave the steps weighted by the batch's target tokens, like the
+# loss, so that microbatches and windows average them exactly; summarize divides them by the tokens.
 
 
 @flax.struct.dataclass
@@ -96,13 +99,30 @@ def attention_pairs(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 
 def forward(model: nnx.Module, batch: dict[str, jax.Array], *, deterministic: bool,
-            rngs: nnx.Rngs | None) -> jax.Array:
-    """Teacher-forced logits [batch, length, vocab] for a (possibly packed) batch."""
+            rngs: nnx.Rngs | None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Teacher-forced logits [batch, length, vocab] for a (possibly packed) batch, and the router stats of a
+    mixture of experts ({} without one)."""
     targets_segmentation = batch.get("targets_segmentation")
     return model(batch["inputs"], shift_right(batch["targets"], targets_segmentation),
                  inputs_segmentation=batch.get("inputs_segmentation"), inputs_position=batch.get("inputs_position"),
                  targets_segmentation=targets_segmentation, targets_position=batch.get("targets_position"),
-                 deterministic=deterministic, rngs=rngs)
+                 deterministic=deterministic, rngs=rngs, with_router_stats=True)
+
+
+def step_metrics(model: nnx.Module, batch: dict[str, jax.Array], label_smoothing: float, *, deterministic: bool,
+                 rngs: nnx.Rngs | None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(The summed training objective, the metric sums): the smoothed loss of every target token plus, for a
+    mixture of experts, router_balance_weight x the load-balancing loss + router_z_weight x the z-loss, each per
+    token (so the objective divided by the tokens is the mean loss plus the weighted router losses)."""
+    logits, router = forward(model, batch, deterministic=deterministic, rngs=rngs)
+    metrics = token_metrics(logits, batch, label_smoothing)
+    objective = metrics["loss"]
+    if router:
+        config = model.config
+        objective = objective + metrics["denominator"] * (config.router_balance_weight * router["router_balance"]
+                                                          + config.router_z_weight * router["router_z"])
+        metrics.update({key: value * metrics["denominator"] for key, value in router.items()})
+    return objective, metrics
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -183,14 +203,12 @@ def microbatches(batch: dict[str, jax.Array], num_microbatches: int) -> dict[str
 
 def gradients(params: PyTree, batch: dict[str, jax.Array], dropout_key: jax.Array, *, graphdef: nnx.GraphDef,
               label_smoothing: float, num_microbatches: int, rng_impl: str) -> tuple[PyTree, dict[str, jax.Array]]:
-    """Gradient of the summed smoothed loss and the metric sums, over num_microbatches sequential slices
+    """Gradient of the summed objective (step_metrics) and the metric sums, over num_microbatches sequential slices
     (lax.scan): sums add up exactly, so the caller's division by the token count equals the one-big-batch
     update. Microbatch m draws dropout from fold_in(dropout_key, m)."""
     def loss_fn(params, batch, key):
-        model = nnx.merge(graphdef, params)
-        logits = forward(model, batch, deterministic=False, rngs=dropout_rngs(key, rng_impl))
-        metrics = token_metrics(logits, batch, label_smoothing)
-        return metrics["loss"], metrics
+        return step_metrics(nnx.merge(graphdef, params), batch, label_smoothing, deterministic=False,
+                            rngs=dropout_rngs(key, rng_impl))
 
     grad_fn = jax.grad(loss_fn, has_aux=True)
     if num_microbatches == 1:
@@ -237,8 +255,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
 
 def eval_step(params: PyTree, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
               label_smoothing: float) -> dict[str, jax.Array]:
-    model = nnx.merge(graphdef, params)
-    return token_metrics(forward(model, batch, deterministic=True, rngs=None), batch, label_smoothing)
+    return step_metrics(nnx.merge(graphdef, params), batch, label_smoothing, deterministic=True, rngs=None)[1]
 
 
 def summarize(metrics: list[dict[str, Any]]) -> dict[str, float]:
@@ -251,4 +268,5 @@ def summarize(metrics: list[dict[str, Any]]) -> dict[str, float]:
                    perplexity=float(np.exp(min(total["nll"] / denominator, 50.0))),
                    target_tokens=total["denominator"], source_tokens=total["source_tokens"])
     summary.update({key: total[key] for key in ("encoder_pairs", "decoder_pairs", "cross_pairs") if key in total})
+    summary.update({key: total[key] / denominator for key in ROUTER_STATS if key in total})
     return summary

@@ -8,6 +8,8 @@ mean the same thing. For one training step (backward = 2 x forward, hence the fa
               encoder layer: 4 d^2 (q, k, v, o) + 2 d d_ff               on source tokens
               decoder layer: 4 d^2 (self) + 2 d^2 (cross q, o) + 2 d d_ff on target tokens
                              + 2 d^2 (cross k, v)                         on source tokens
+              a mixture-of-experts layer's 2 d d_ff is k x 2 d d_ff + d E (the k experts each token is routed
+              to, whether or not capacity drops it, and the router): only the active experts count
   attention = 12 x d x (N_enc x encoder pairs + N_dec x (decoder pairs + cross pairs))
               (QK^T and AV; a pair is a query and a key of the same sentence; causal self-attention counts
               the full square, since the dense masked matrix is computed; an unpadded batch has B S^2 ... pairs)
@@ -47,11 +49,14 @@ def model_flops(config: ModelConfig, *, source_tokens: float, target_tokens: flo
                 decoder_pairs: float, cross_pairs: float) -> float:
     """Training FLOPs (forward + backward) of the formula in the module docstring."""
     d, ff, vocab = config.emb_dim, config.mlp_dim, config.vocab_size
+    expert_ff = config.experts_per_token * 2 * d * ff + d * config.num_experts - 2 * d * ff  # over a dense one
     encoder_layer = 4 * d * d + 2 * d * ff
     decoder_on_targets = 4 * d * d + 2 * d * d + 2 * d * ff
     decoder_on_sources = 2 * d * d
     dense = 6 * (config.num_encoder_layers * encoder_layer * source_tokens
-                 + config.num_decoder_layers * (decoder_on_targets * target_tokens + decoder_on_sources * source_tokens))
+                 + config.num_decoder_layers * (decoder_on_targets * target_tokens + decoder_on_sources * source_tokens)
+                 + expert_ff * (config.expert_layers(config.num_encoder_layers) * source_tokens
+                                + config.expert_layers(config.num_decoder_layers) * target_tokens))
     attention = 12 * d * (config.num_encoder_layers * encoder_pairs
                           + config.num_decoder_layers * (decoder_pairs + cross_pairs))
     output = 6 * vocab * d * target_tokens

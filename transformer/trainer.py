@@ -24,7 +24,7 @@ from transformer import checkpoint, config_files, data, decode, errors, files, l
 from transformer import workdir as workdirs
 from transformer.metrics import log
 from transformer.checkpoint import Checkpointer, abstract_like
-from transformer.model import ATTENTION_KINDS, ROW_KINDS, ModelConfig, Transformer
+from transformer.model import ATTENTION_KINDS, ROUTER_STATS, ROW_KINDS, ModelConfig, Transformer
 from transformer.optim import OptimizerConfig, make_optimizer
 from transformer.steps import DROPOUT_RNGS, TrainState, eval_step, summarize, train_step
 from transformer.tokenizer import Tokenizer
@@ -401,6 +401,15 @@ def make_steps(graphdef, optimizer, schedule, train_config: TrainConfig, state_s
     return train, evaluate
 
 
+def router_line(summary: dict[str, float]) -> str:
+    """A mixture of experts' part of a log line: its router losses, the share of assignments dropped for capacity
+    and the busiest expert's load (1: balanced); empty without one."""
+    if "router_balance" not in summary:
+        return ""
+    return (f"; experts: dropped {summary['expert_dropped']:.3f} load_max {summary['expert_load_max']:.2f} "
+            f"balance {summary['router_balance']:.3f} z {summary['router_z']:.3f}")
+
+
 def throughput_metrics(summary: dict[str, float], model_config: ModelConfig, seconds: float, steps: int,
                        peak_flops: float | None) -> dict[str, float]:
     """Tokens/s (real, non-padding tokens) and MFU over a logging window: analytic model FLOPs of the batches'
@@ -522,7 +531,8 @@ class Run:
                                     rows_per_batch=self.batch.rows, pack=self.settings.data.pack)
         outputs = [evaluate(self.state.params, sharding.place_batch(batch, self.batch_sharding)) for batch in batches]
         summary = summarize(jax.device_get(outputs))
-        return {key: summary[key] for key in ("loss", "accuracy", "perplexity", "target_tokens")}
+        keys = ("loss", "accuracy", "perplexity", "target_tokens") + tuple(k for k in ROUTER_STATS if k in summary)
+        return {key: summary[key] for key in keys}
 
     def evaluate_bleu(self, search, splits: list[str], params=None, prefix: str = "") -> dict[str, dict[str, Any]]:
         scores, params = {}, self.state.params if params is None else params
@@ -665,7 +675,7 @@ class Run:
                             f"lr {summary['learning_rate']:.2e} grad_norm {summary['grad_norm']:.3f} "
                             f"{summary['tokens_per_second']:.0f} target tokens/s "
                             f"({summary['all_tokens_per_second']:.0f} with source), "
-                            f"MFU {summary.get('mfu', float('nan')):.3f}, ETA {eta:.0f}s{skipped}")
+                            f"MFU {summary.get('mfu', float('nan')):.3f}, ETA {eta:.0f}s{skipped}{router_line(summary)}")
         return summary
 
     def last_checkpoint(self) -> str:
@@ -805,7 +815,7 @@ class Run:
         scores, step = self.evaluate_loss(evaluate), int(self.state.step)
         self.writer.write(step, scores, "valid")
         self.progress.write(f"step {step}: valid loss {scores['loss']:.4f} accuracy {scores['accuracy']:.3f} "
-                       f"perplexity {scores['perplexity']:.2f}")
+                            f"perplexity {scores['perplexity']:.2f}{router_line(scores)}")
         return scores
 
     def _report_bleu(self, splits: list[str], params=None, prefix: str = "") -> dict[str, dict[str, Any]]:

@@ -1,0 +1,168 @@
+"""The mixture-of-experts feed-forward (model.num_experts): routing against hand computation, capacity, the
+router losses' formulas, one expert equal to the dense feed-forward, and a model with experts that trains,
+evaluates and decodes like the dense one. Sharded experts: multidevice_test.py."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import default
+from tiny import decode_incrementally
+from transformer import throughput
+from transformer.model import (ROUTER_STATS, FeedForward, ModelConfig, MoEFeedForward, Transformer, expert_capacity,
+                               route)
+from transformer.steps import step_metrics
+from transformer.trainer import Settings
+
+MOE = ModelConfig(vocab_size=40, emb_dim=16, num_heads=2, num_encoder_layers=2, num_decoder_layers=2, mlp_dim=32,
+                  num_experts=4, experts_per_token=2, expert_every=2)
+INPUTS = jnp.array([[5, 6, 7, 8, 9, 10, 11, 1, 0], [9, 10, 1, 0, 0, 0, 0, 0, 0]])
+DECODER_INPUTS = jnp.array([[0, 11, 12, 13, 14, 15, 16, 17, 1], [0, 15, 16, 1, 0, 0, 0, 0, 0]])
+
+
+def stats_of(logits, real, k, capacity):
+    return dict(zip(ROUTER_STATS, np.asarray(route(jnp.asarray(logits, jnp.float32), jnp.asarray(real), k,
+                                                   capacity)[2])))
+
+
+def balance_by_hand(logits, real, k):
+    """E * sum_e f_e P_e over the real tokens, f_e counting each token's k best experts, divided by k tokens."""
+    logits, real = np.asarray(logits, np.float64).reshape(-1, np.shape(logits)[-1]), np.asarray(real).reshape(-1)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs = probs[real] / probs[real].sum(-1, keepdims=True)
+    experts = probs.shape[-1]
+    counts = np.zeros(experts)
+    for row in probs:
+        counts[np.argsort(-row)[:k]] += 1
+    return experts * np.sum(counts / (k * len(probs)) * probs.mean(0))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_load_balancing_loss_equals_its_formula_on_hand_made_logits(k):
+    logits = np.array([[[3.0, 1.0, 0.0, -1.0], [2.5, 2.0, 0.0, 0.0], [0.0, 0.5, 4.0, 0.0], [1.0, 1.0, 1.0, 9.0]],
+                       [[0.0, 3.0, 0.5, 0.0], [5.0, 0.0, 0.0, 1.0], [9.0, 9.0, 9.0, 9.0], [0.2, 0.0, 0.1, 0.0]]])
+    real = np.array([[True, True, True, True], [True, True, False, False]])  # padding is never routed
+    stats = stats_of(logits, real, k, capacity=8)
+    np.testing.assert_allclose(stats["router_balance"], balance_by_hand(logits, real, k), rtol=1e-5)
+    lse = np.log(np.exp(logits).sum(-1))[real]
+    np.testing.assert_allclose(stats["router_z"], np.mean(lse ** 2), rtol=1e-5)
+    assert stats["expert_dropped"] == 0.0
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_uniform_routing_has_a_balance_loss_of_one_for_any_k(k):
+    """Every token spread evenly over the experts (cyclic logits): f_e = P_e = 1/E, so the loss is 1, not k."""
+    logits = np.tile(np.eye(4) * 5.0, (1, 2, 1))  # 8 tokens, each expert first for two of them
+    if k == 2:  # and second for two others
+        logits = logits + np.roll(np.tile(np.eye(4) * 2.0, (1, 2, 1)), 1, axis=-1)
+    stats = stats_of(logits, np.ones((1, 8), bool), k, capacity=8)
+    np.testing.assert_allclose(stats["router_balance"], 1.0, rtol=1e-5)
+    np.testing.assert_allclose(stats["expert_load_max"], 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_no_expert_takes_more_than_its_capacity_and_first_choices_come_first(k):
+    logits = jax.random.normal(jax.random.key(0), (3, 40, 4)) + jnp.array([3.0, 0.0, 0.0, 0.0])  # expert 0 popular
+    real = jnp.ones((3, 40), bool).at[2, 30:].set(False)
+    capacity = expert_capacity(40, dataclasses.replace(MOE, experts_per_token=k, capacity_factor=1.0), False)
+    assert capacity == 10 * k
+    dispatch, combine, stats = route(logits, real, k, capacity)
+    dispatch = np.asarray(dispatch)
+    assert dispatch.sum(axis=(1, 3)).max() <= capacity  # assignments per expert and row
+    assert dispatch.sum(axis=1).max() <= 1  # one token per slot
+    assert dispatch[2, 30:].sum() == 0  # padding takes no slot
+    chosen = np.asarray(jax.lax.top_k(logits, k)[1])
+    wanted = (np.arange(4) == chosen[..., None]).any(-2) & np.asarray(real)[..., None]  # [b, length, experts]
+    kept = dispatch.sum(-1) > 0
+    assert not (kept & ~wanted).any()  # only a token's own choices
+    np.testing.assert_allclose(stats[2], 1 - kept.sum() / wanted.sum(), rtol=1e-6)  # expert_dropped
+    assert stats[2] > 0.2  # expert 0 overflows
+    if k == 2:  # an expert's slots go to first choices before any second choice
+        first = (chosen[..., 0, None] == np.arange(4)) & wanted
+        second = (chosen[..., 1, None] == np.arange(4)) & wanted
+        first_dropped, second_kept = (first & ~kept).any(axis=1), (second & kept).any(axis=1)  # [b, experts]
+        assert first_dropped.any() and not (first_dropped & second_kept).any()
+    gates = np.asarray(combine).sum(axis=(-2, -1))[kept.sum(-1) == k]  # tokens with every choice kept
+    probs = np.asarray(jax.nn.softmax(logits))[kept.sum(-1) == k]
+    np.testing.assert_allclose(gates, 1.0 if k == 2 else probs.max(-1), rtol=1e-5)  # GShard's renormalised, Switch's
+
+
+def test_one_expert_with_room_for_every_token_equals_the_dense_feed_forward():
+    config = dataclasses.replace(MOE, num_experts=1, experts_per_token=1, capacity_factor=1.0)
+    moe, dense = MoEFeedForward(config, rngs=nnx.Rngs(0)), FeedForward(config, rngs=nnx.Rngs(1))
+    dense.hidden.kernel[...] = moe.hidden[...][0]
+    dense.hidden.bias[...] = moe.hidden_bias[...][0]
+    dense.output.kernel[...] = moe.output[...][0]
+    dense.output.bias[...] = moe.output_bias[...][0]
+    x = jax.random.normal(jax.random.key(2), (3, 7, 16))
+    real = jnp.ones((3, 7), bool).at[1, 5:].set(False)
+    y, stats = moe(x, real, deterministic=True, rngs=None)
+    expected = dense(x, deterministic=True, rngs=None)
+    np.testing.assert_allclose(np.asarray(y)[np.asarray(real)], np.asarray(expected)[np.asarray(real)], atol=1e-5)
+    assert np.abs(np.asarray(y)[~np.asarray(real)]).max() == 0  # padding is never routed
+    np.testing.assert_allclose(stats[0], 1.0, rtol=1e-6)  # one expert takes everything: balanced by definition
+
+
+@pytest.fixture(scope="module")
+def moe_model():
+    return Transformer(dataclasses.replace(MOE, eval_capacity_factor=0.0), rngs=nnx.Rngs(0))
+
+
+def test_expert_layers_are_every_other_and_the_model_reports_their_mean(moe_model):
+    assert [type(layer.feed_forward).__name__ for layer in moe_model.encoder_layers] == ["FeedForward",
+                                                                                         "MoEFeedForward"]
+    logits, router = nnx.jit(lambda m: m(INPUTS, DECODER_INPUTS, with_router_stats=True))(moe_model)
+    assert set(router) == set(ROUTER_STATS) and logits.shape == (2, 9, 40)
+    assert 1.0 <= float(router["router_balance"]) <= 4.0 and float(router["router_z"]) > 0
+    dense = Transformer(dataclasses.replace(MOE, num_experts=0), rngs=nnx.Rngs(0))
+    assert dense(INPUTS, DECODER_INPUTS, with_router_stats=True)[1] == {}
+
+
+def test_the_objective_adds_the_weighted_router_losses(moe_model):
+    batch = {"inputs": INPUTS, "targets": DECODER_INPUTS[:, 1:]}
+    objective, metrics = step_metrics(moe_model, batch, 0.1, deterministic=True, rngs=None)
+    tokens = metrics["denominator"]
+    expected = metrics["loss"] + MOE.router_balance_weight * metrics["router_balance"] + \
+        MOE.router_z_weight * metrics["router_z"]  # the router metrics are sums over the tokens, like the loss
+    np.testing.assert_allclose(objective, expected, rtol=1e-6)
+    grads = nnx.grad(lambda m: step_metrics(m, batch, 0.1, deterministic=True, rngs=None)[0])(moe_model)
+    router = grads.encoder_layers[1].feed_forward.router[...]
+    assert float(jnp.abs(router).max()) > 0 and tokens > 0
+
+
+def test_cached_decoding_with_experts_equals_the_teacher_forced_pass(moe_model):
+    """Decoding routes a step's tokens without capacity, as the teacher-forced pass does at
+    eval_capacity_factor=0: the outputs agree."""
+    together = nnx.jit(decode_incrementally)(moe_model, INPUTS, DECODER_INPUTS[:, None])[:, 0]
+    real = np.asarray((DECODER_INPUTS != 0) | (jnp.arange(9) == 0))  # the teacher-forced pass routes no padding
+    np.testing.assert_allclose(np.asarray(together)[real], np.asarray(moe_model(INPUTS, DECODER_INPUTS))[real],
+                               atol=1e-4)
+
+
+def test_flops_count_only_the_active_experts():
+    """Top-1 over any number of experts costs a dense layer plus the router: the experts a token skips are
+    not counted."""
+    counts = dict(source_tokens=100.0, target_tokens=80.0, encoder_pairs=1000.0, decoder_pairs=800.0,
+                  cross_pairs=900.0)
+    dense = throughput.model_flops(dataclasses.replace(MOE, num_experts=0), **counts)
+    for experts in (2, 8):
+        top1 = throughput.model_flops(dataclasses.replace(MOE, num_experts=experts, experts_per_token=1), **counts)
+        router = 6 * MOE.emb_dim * experts * (100.0 + 80.0)  # one expert layer per stack (expert_every=2)
+        np.testing.assert_allclose(top1 - dense, router)
+    top2 = throughput.model_flops(dataclasses.replace(MOE, num_experts=8, experts_per_token=2), **counts)
+    np.testing.assert_allclose(top2 - top1, 6 * 2 * MOE.emb_dim * MOE.mlp_dim * 180.0)
+
+
+def test_bad_expert_settings_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"experts_per_token=3 must be in \[1, num_experts=2\]"):
+        dataclasses.replace(MOE, num_experts=2, experts_per_token=3)
+    with pytest.raises(ValueError, match="scan_layers=True stacks identical layers, and expert_every=2"):
+        dataclasses.replace(MOE, scan_layers=True)
+    config = default.get_config()
+    config.model.num_experts, config.model.capacity_factor = 4, 0.0
+    with pytest.raises(ValueError, match="capacity_factor=0.0 must be > 0"):
+        Settings.from_config(config)
