@@ -68,7 +68,7 @@ def test_uniform_routing_has_a_balance_loss_of_one_for_any_k(k):
 def test_no_expert_takes_more_than_its_capacity_and_first_choices_come_first(k):
     logits = jax.random.normal(jax.random.key(0), (3, 40, 4)) + jnp.array([3.0, 0.0, 0.0, 0.0])  # expert 0 popular
     real = jnp.ones((3, 40), bool).at[2, 30:].set(False)
-    capacity = expert_capacity(40, dataclasses.replace(MOE, experts_per_token=k, capacity_factor=1.0), False)
+    capacity = expert_capacity(40, dataclasses.replace(MOE, experts_per_token=k), 1.0)
     assert capacity == 10 * k
     dispatch, combine, stats = route(logits, real, k, capacity)
     dispatch = np.asarray(dispatch)

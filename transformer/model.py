@@ -665,10 +665,9 @@ class FeedForward(nnx.Module):
 ROUTER_STATS = ("router_balance", "router_z", "expert_dropped", "expert_load_max")
 
 
-def expert_capacity(tokens: int, config: ModelConfig, deterministic: bool) -> int:
-    """Assignments each expert takes from one row of `tokens` tokens: capacity_factor x k x tokens / experts,
-    rounded up (eval_capacity_factor when deterministic; 0 there: every assignment, none dropped)."""
-    factor = config.eval_capacity_factor if deterministic else config.capacity_factor
+def expert_capacity(tokens: int, config: ModelConfig, factor: float) -> int:
+    """Assignments each expert takes from one row of `tokens` tokens: factor x k x tokens / experts, rounded up
+    (factor 0: every assignment, none dropped)."""
     if factor == 0:
         return tokens * config.experts_per_token
     return max(1, math.ceil(factor * config.experts_per_token * tokens / config.num_experts))
@@ -743,12 +742,13 @@ class MoEFeedForward(nnx.Module):
         self.dropout = nnx.Dropout(config.relu_dropout_rate)
 
     def __call__(self, x: Array, real: Array, *, deterministic: bool, rngs: nnx.Rngs | None,
-                 capacity: int | None = None) -> tuple[Array, Array]:
+                 dropless: bool = False) -> tuple[Array, Array]:
         """x [batch, length, embed], real [batch, length] -> ([batch, length, embed], stats [len(ROUTER_STATS)]).
-        capacity: per expert and row (default: expert_capacity's, for training or evaluation)."""
+        Capacity: capacity_factor's in training, eval_capacity_factor's when deterministic, none when dropless."""
         config, dtype = self.config, self.config.compute_dtype
         logits = jnp.einsum("bld,de->ble", x.astype(jnp.float32), self.router[...])
-        capacity = capacity or expert_capacity(x.shape[1], config, deterministic)
+        factor = 0 if dropless else config.eval_capacity_factor if deterministic else config.capacity_factor
+        capacity = expert_capacity(x.shape[1], config, factor)
         dispatch, combine, stats = route(logits, real, config.experts_per_token, capacity)
         inputs = jnp.einsum("blec,bld->becd", dispatch.astype(dtype), x.astype(dtype))
         hidden = jnp.einsum("becd,edf->becf", inputs, self.hidden[...].astype(dtype)) + self.hidden_bias[...][:, None]
@@ -760,18 +760,6 @@ class MoEFeedForward(nnx.Module):
 
 def feed_forward(config: ModelConfig, index: int, rngs: nnx.Rngs) -> nnx.Module:
     return MoEFeedForward(config, rngs=rngs) if config.is_expert_layer(index) else FeedForward(config, rngs=rngs)
-
-
-def apply_feed_forward(module: nnx.Module, x: Array, real: Array | None, **kw) -> tuple[Array, Array]:
-    """Either feed-forward -> (output, router stats; zeros for the dense one). real None (cached decoding): every
-    token, without capacity: a step holds a row's few hypotheses, and a capacity would make one hypothesis's
-    output depend on which experts the others chose."""
-    if isinstance(module, MoEFeedForward):
-        if real is None:
-            return module(x, jnp.ones(x.shape[:2], bool), capacity=x.shape[1] * module.config.experts_per_token,
-                          **kw)
-        return module(x, real, **kw)
-    return module(x, **kw), jnp.zeros(len(ROUTER_STATS), jnp.float32)
 
 
 def layer_norm(config: ModelConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
@@ -812,11 +800,16 @@ class EncoderLayer(nnx.Module):
 
 
 def feed_forward_sublayer(layer: nnx.Module, x: Array, real: Array | None, kw: dict) -> tuple[Array, Array]:
-    """A layer's last sublayer, the (mixture of experts or dense) feed-forward in its residual -> (x, stats)."""
-    stats = []
+    """A layer's last sublayer, the (mixture of experts or dense) feed-forward in its residual -> (x, router stats;
+    zeros for the dense one). real None (cached decoding): every token, without capacity: a step holds a row's few
+    hypotheses, and a capacity would make one hypothesis's output depend on which experts the others chose."""
+    stats = [jnp.zeros(len(ROUTER_STATS), jnp.float32)]
     def feed(y):
-        y, layer_stats = apply_feed_forward(layer.feed_forward, y, real, **kw)
-        stats.append(layer_stats)
+        if not isinstance(layer.feed_forward, MoEFeedForward):
+            return layer.feed_forward(y, **kw)
+        dropless = real is None
+        y, stats[0] = layer.feed_forward(y, jnp.ones(y.shape[:2], bool) if dropless else real, dropless=dropless,
+                                         **kw)
         return y
     x = layer.feed_forward_residual(x, feed, **kw)
     return x, stats[0]
