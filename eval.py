@@ -10,6 +10,9 @@ the best on the dev set; decode with the config's search (or --beam_size/--alpha
 On several hosts run it on each, as train.py (`--coordinator_address=host0:1234 --num_processes=N --process_id=i`,
 or none under SLURM / a TPU slice): each process decodes its share and process 0 writes.
 
+An encoder_only workdir (model.family) has no decoder: eval.py reports each split's masked-token accuracy and
+perplexity instead, over the tokens its run's evaluation masked, to scores.<splits>.<model>.masked.json.
+
 Every decoding flag left unset takes the workdir config's decode value, as in `python -m transformer.translate`.
 Decoding splits each batch over every device (transformer/decode.py). Each evaluation writes its own files under
 workdir/eval/, named by what it decoded, the model and the search: `<split>.<model>.<search>.txt` and
@@ -107,6 +110,22 @@ def evaluate(restored: trainer.Restored, search: decode.Search, name: str, sourc
     return result
 
 
+def evaluate_masked(restored: trainer.Restored) -> None:
+    """An encoder_only model has no decoder: each split's masked-token accuracy and perplexity instead of BLEU,
+    over the same masked tokens as the run's own evaluation (Restored.masked_scores)."""
+    results = []
+    for split in FLAGS.split:
+        result = {"name": split, "model": restored.name, "step": restored.step,
+                  "averaged_steps": restored.averaged_steps,
+                  **restored.masked_scores(data.read_split(restored.settings.data, split))}
+        say(f"{split} masked accuracy {result['accuracy']:.4f}  perplexity {result['perplexity']:.3f}  "
+            f"({result['masked_tokens']:.0f} masked tokens of {result['pairs']} pairs)")
+        results.append(result)
+    scores_path = os.path.join(FLAGS.workdir, "eval", f"scores.{'+'.join(FLAGS.split)}.{restored.name}.masked.json")
+    write_lines(scores_path, [json.dumps(results, indent=2)])
+    say(f"wrote {scores_path}")
+
+
 def main(argv):
     if len(argv) > 1:
         raise errors.ConfigError(f"unexpected arguments {argv[1:]}: every option is a --flag=value")
@@ -114,11 +133,16 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)
     sharding.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     with errors.as_config_error():  # a bad flag or saved setting is named before anything is restored
+        if FLAGS.input and trainer.workdir_family(FLAGS.workdir) == "encoder_only":
+            raise ValueError("--input translates, and this workdir's model is encoder_only (no decoder): use "
+                             "--split, or transformer.features for its encoder's outputs")
         restored = trainer.restore_for_command_line(
             FLAGS.workdir, FLAGS.step, average_last=FLAGS.average_last, best=FLAGS.best, nbest=FLAGS.nbest,
             **{name: FLAGS[name].value for name in decode.COMMAND_LINE_OVERRIDES})
     if restored.averaged_steps:
         say(f"averaged the parameters of steps {restored.averaged_steps}")
+    if restored.model_config.family == "encoder_only":
+        return evaluate_masked(restored)
     # One search for every split: compiled once per input shape (and sampling's call count goes on).
     search = restored.settings.decode.search_fn(restored.graphdef, restored.settings.seed, scores=FLAGS.nbest > 0)
     out_dir = os.path.join(FLAGS.workdir, "eval")

@@ -42,6 +42,8 @@ def main(argv):
         return
     for split, score in result.get("bleu", {}).items():  # a preempted run scored nothing
         print(f"{split} BLEU {score['bleu']:.2f}  {score['signature']}")
+    for split, score in result.get("masked", {}).items():  # an encoder_only model's scores
+        print(f"{split} masked accuracy {score['accuracy']:.4f}  perplexity {score['perplexity']:.3f}")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,13 @@ def get_config() -> ml_collections.ConfigDict:
     data.local_cache_dir = ""  # a gs:// workdir's local copies (token cache, vocabulary); empty: ~/.cache/transformer
 
     config.model = model = ml_collections.ConfigDict()
+    # The family built from the paper's layers (docs/families.md): encoder_decoder (the paper's) | decoder_only (a
+    # language model over `source <sep> target`, loss on the target: set num_encoder_layers=0) | encoder_only (a
+    # masked language model, no BLEU: set num_decoder_layers=0)
+    model.family = "encoder_decoder"
+    model.prefix_lm = True  # decoder_only: the source prefix attends bidirectionally to itself (false: causal too)
+    model.masked_side = "source"  # encoder_only reads and masks: source | target | both (the pair joined, as XLM's TLM)
+    model.mask_rate = 0.15  # encoder_only: the share of tokens masked, of which 80% -> <mask>, 10% random, 10% kept
     model.emb_dim = 128  # d_model
     model.num_heads = 4  # h (must divide emb_dim)
     model.num_encoder_layers = 3  # N of the encoder

@@ -29,6 +29,10 @@ Array = jax.Array
 Cache = dict[str, Any]  # Transformer.init_cache: the source mask and, per decoder layer, its keys and values
 
 POSITIONAL_ENCODINGS = ("sinusoidal", "learned")
+# The three families built from the same layers (docs/families.md): the paper's encoder-decoder; a decoder-only
+# language model over `source <sep> target` (loss on the target part); an encoder-only masked language model.
+FAMILIES = ("encoder_decoder", "decoder_only", "encoder_only")
+MASKED_SIDES = ("source", "target", "both")  # what encoder_only reads and masks: "both" is the pair, joined
 LAYER_NORMS = ("post", "pre")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # reference: our own einsum + softmax below (supports attention dropout); xla / cudnn:
@@ -65,6 +69,10 @@ class ModelConfig:
     meaning) plus the tokenizer's vocab_size."""
 
     vocab_size: int
+    family: str  # one of FAMILIES
+    prefix_lm: bool  # decoder_only: the source prefix attends to itself bidirectionally (t5x's prefix LM)
+    masked_side: str  # encoder_only: one of MASKED_SIDES
+    mask_rate: float  # encoder_only: the share of tokens masked (BERT's 15%: 80% <mask>, 10% random, 10% kept)
     emb_dim: int  # d_model
     num_heads: int  # h; d_k = d_v = emb_dim // num_heads
     num_encoder_layers: int
@@ -119,10 +127,34 @@ class ModelConfig:
              "or attention='reference'"),
             (self.emb_dim % 2 == 0, f"emb_dim={self.emb_dim} must be even for sinusoidal positions"),
             (self.init_std >= 0.0, f"init_std={self.init_std} must be >= 0 (0: lecun normal)"),
-            (not self.scan_layers or min(self.num_encoder_layers, self.num_decoder_layers) >= 1,
+            (not self.scan_layers or min(self.stack_depths.values(), default=1) >= 1,
              f"scan_layers=True needs at least one layer per stack, got num_encoder_layers={self.num_encoder_layers}, "
              f"num_decoder_layers={self.num_decoder_layers}"),
+            (self.family in FAMILIES, f"family={self.family!r} is not one of {FAMILIES}"),
+            (self.masked_side in MASKED_SIDES, f"masked_side={self.masked_side!r} is not one of {MASKED_SIDES}"),
+            (0.0 < self.mask_rate < 1.0, f"mask_rate={self.mask_rate} must be in (0, 1)"),
         ]
+        if self.family != "encoder_decoder":
+            checks.append((self.share_embeddings, f"family={self.family!r} reads source and target with one "
+                                                  "embedding: set share_embeddings=True"))
+        if self.family == "decoder_only":
+            checks += [
+                (self.num_encoder_layers == 0, f"family='decoder_only' has no encoder: set num_encoder_layers=0, "
+                                               f"got {self.num_encoder_layers}"),
+                (self.num_decoder_layers >= 1, "family='decoder_only' needs num_decoder_layers >= 1"),
+                (self.decoder_attention == "dense", f"family='decoder_only' masks the joined source and target "
+                                                    f"densely: decoder_attention={self.decoder_attention!r} must be "
+                                                    "'dense'"),
+            ]
+        elif self.family == "encoder_only":
+            checks += [
+                (self.num_decoder_layers == 0, f"family='encoder_only' has no decoder: set num_decoder_layers=0, "
+                                               f"got {self.num_decoder_layers}"),
+                (self.num_encoder_layers >= 1, "family='encoder_only' needs num_encoder_layers >= 1"),
+                (self.masked_side != "both" or self.encoder_attention == "dense",
+                 f"masked_side='both' joins source and target in one row: encoder_attention="
+                 f"{self.encoder_attention!r} must be 'dense'"),
+            ]
         for field, kinds in ATTENTION_KINDS.items():
             checks.append((getattr(self, field) in kinds, f"{field}={getattr(self, field)!r} is not one of {kinds}"))
         checks.append((self.local_window >= 1, f"local_window={self.local_window} must be >= 1"))
@@ -156,15 +188,31 @@ class ModelConfig:
                 raise ValueError(f"model config: {message}")
 
     @property
+    def stack_depths(self) -> dict[str, int]:
+        """The family's stacks (Transformer's attributes) and their depths: the others are not built."""
+        return {"encoder_decoder": {"encoder_layers": self.num_encoder_layers, "decoder_layers": self.num_decoder_layers},
+                "decoder_only": {"decoder_layers": self.num_decoder_layers},
+                "encoder_only": {"encoder_layers": self.num_encoder_layers}}.get(self.family, {})
+
+    @property
+    def joins_pair(self) -> bool:
+        """Whether one row holds the source and the target joined (decoder_only; encoder_only over both sides)."""
+        return self.family == "decoder_only" or (self.family == "encoder_only" and self.masked_side == "both")
+
+    @property
     def head_dim(self) -> int:
         return self.emb_dim // self.num_heads
 
     @property
     def position_limit(self) -> int | None:
         """Longest input the model can represent: the learned table's size, or linformer's projected length's
-        columns; sinusoids alone have no limit."""
-        limited = self.positional_encoding == "learned" or self.encoder_attention == "linformer"
-        return self.max_length if limited else None
+        columns; sinusoids alone have no limit. A joined pair (joins_pair) numbers the target after the source, so
+        each side has half the learned table."""
+        if self.encoder_attention == "linformer":
+            return self.max_length
+        if self.positional_encoding == "learned":
+            return self.max_length // 2 if self.joins_pair else self.max_length
+        return None
 
     def is_expert_layer(self, index: int) -> bool:
         """Whether layer `index` of a stack has a mixture of experts (every expert_every-th: GShard's every other)."""
@@ -220,6 +268,31 @@ def attention_mask(query_segmentation: Array, key_segmentation: Array, causal: b
         q_length, k_length = query_segmentation.shape[-1], key_segmentation.shape[-1]
         mask &= jnp.arange(q_length)[:, None] >= jnp.arange(k_length)[None, :]
     return mask[:, None, :, :]
+
+
+def join_pair(source: Array, source_segmentation: Array, source_position: Array, target: Array,
+              target_segmentation: Array, target_position: Array) -> tuple[Array, Array, Array]:
+    """A row's sources [batch, src_length] and targets [batch, tgt_length] as one stream [batch, src_length +
+    tgt_length] of (tokens, segmentation, positions), for the families that read a pair as one sequence: the
+    sources, then the targets, each segment's target numbered on from its source's length (as t5x's decoder-only
+    inputs number them). The halves keep packing's order, so a segment's tokens are in order within each half."""
+    source_length = jnp.sum((source_segmentation[:, None, :] == target_segmentation[:, :, None])
+                            & (source_segmentation[:, None, :] != 0), axis=-1)  # per target token: its source's
+    return (jnp.concatenate([source, target], axis=1),
+            jnp.concatenate([source_segmentation, target_segmentation], axis=1),
+            jnp.concatenate([source_position, target_position + source_length.astype(target_position.dtype)], axis=1))
+
+
+def prefix_lm_mask(segmentation: Array, source_length: int, prefix_lm: bool) -> Array:
+    """decoder_only's [batch, 1, length, length] mask over a join_pair stream whose first source_length columns
+    are sources: within a segment, every query sees the keys at or before it in the row (causal: a target sees its
+    whole source and its earlier targets, a source never a target), and with prefix_lm a source also sees its
+    later sources (bidirectional over the prefix)."""
+    mask = attention_mask(segmentation, segmentation, causal=True)
+    if prefix_lm:
+        source = jnp.arange(segmentation.shape[-1]) < source_length
+        mask |= attention_mask(segmentation, segmentation) & (source[:, None] & source[None, :])
+    return mask
 
 
 def sinusoidal_positions(positions: Array, emb_dim: int) -> Array:
@@ -497,33 +570,36 @@ def to_cache_layout(keys: Array, values: Array) -> tuple[Array, Array]:
 
 
 def blocked_attention(query: Array, key_blocks: tuple[Array, ...], value_blocks: tuple[Array, ...], mask: Array,
-                      last_row: Array | int) -> Array:
+                      last_row: Array | int, prefix: tuple = ()) -> Array:
     """head_major_attention over a decoding cache held in blocks (Transformer.init_cache): query [batch, heads,
     q_length, head_dim]; key blocks [batch, heads, head_dim, n_i] and value blocks [batch, heads, n_i, head_dim];
-    mask [batch, 1, q_length, sum n_i] -> [batch, heads, q_length, head_dim]. No dropout.
+    mask [batch, 1, q_length, sum n_i] -> [batch, heads, q_length, head_dim]. No dropout. prefix: () or one
+    (keys, values, mask) of keys every query may read besides the blocks (decoder_only's source prefix), joined
+    into the same softmax.
 
     Each block is attended to alone and the results are joined into one softmax, so the blocks wholly
     past `last_row` (the last row written so far, dynamic) are never read: one lax.switch on the count of blocks
     written picks the branch that reads just those, each as a whole array (XLA's CPU backend copies a slice of an
     array before a product, and a lax.cond per block made beam search slower than one switch).
     """
-    def read(count, query, key_blocks, value_blocks, mask):
-        if count == 1:
-            return head_major_attention(query, key_blocks[0], value_blocks[0], mask[..., :key_blocks[0].shape[-1]])
-        parts, start = [], 0
+    def read(count, query, key_blocks, value_blocks, mask, prefix):
+        spans, start = list(prefix), 0
         for keys, values in zip(key_blocks[:count], value_blocks[:count]):
-            parts.append(head_major_attention(query, keys, values, mask[..., start:start + keys.shape[-1]],
-                                              normalize=False))
+            spans.append((keys, values, mask[..., start:start + keys.shape[-1]]))
             start += keys.shape[-1]
+        if len(spans) == 1:
+            return head_major_attention(query, *spans[0])
+        parts = [head_major_attention(query, *span, normalize=False) for span in spans]
         top = functools.reduce(jnp.maximum, [block_top for _, block_top, _ in parts])
         scales = [jnp.exp(block_top - top) for _, block_top, _ in parts]
         total = sum(block_sum * scale for (_, _, block_sum), scale in zip(parts, scales))
         return (sum(attended * scale for (attended, _, _), scale in zip(parts, scales)) / total).astype(values.dtype)
 
     if len(key_blocks) == 1:
-        return read(1, query, key_blocks, value_blocks, mask)
+        return read(1, query, key_blocks, value_blocks, mask, prefix)
     branches = [functools.partial(read, count) for count in range(1, len(key_blocks) + 1)]
-    return jax.lax.switch(last_row // key_blocks[0].shape[-1], branches, query, key_blocks, value_blocks, mask)
+    return jax.lax.switch(last_row // key_blocks[0].shape[-1], branches, query, key_blocks, value_blocks, mask,
+                          prefix)
 
 
 def write_cache_rows(blocks: tuple[Array, ...], rows: Array, axis: int, index: Array) -> tuple[Array, ...]:
@@ -637,11 +713,13 @@ class MultiHeadAttention(nnx.Module):
         return self.output(attended.reshape(*x.shape[:-1], self.config.emb_dim)), sums
 
     def attend_cache(self, x: Array, key_blocks: tuple[Array, ...], value_blocks: tuple[Array, ...], mask: Array,
-                     last_row: Array | int = 0) -> Array:
-        """As __call__, over keys/values of a decoding cache (blocked_attention). Cached decoding always takes
-        this path, whatever config.attention: jax's kernels have no form for a few queries over a cache."""
+                     last_row: Array | int = 0, prefix: tuple = ()) -> Array:
+        """As __call__, over keys/values of a decoding cache (blocked_attention, with its prefix). Cached decoding
+        always takes this path, whatever config.attention: jax's kernels have no form for a few queries over a
+        cache."""
         query = jnp.transpose(self.split_heads(self.query(x)), (0, 2, 1, 3))
-        attended = jnp.transpose(blocked_attention(query, key_blocks, value_blocks, mask, last_row), (0, 2, 1, 3))
+        attended = jnp.transpose(blocked_attention(query, key_blocks, value_blocks, mask, last_row, prefix),
+                                 (0, 2, 1, 3))
         return self.output(attended.reshape(*x.shape[:-1], self.config.emb_dim))
 
 
@@ -819,8 +897,10 @@ class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, index: int = 0):
         self.self_attention = MultiHeadAttention(config, "decoder_attention", rngs=rngs)
         self.self_attention_residual = Residual(config, rngs=rngs)
-        self.cross_attention = MultiHeadAttention(config, "cross_attention", rngs=rngs)
-        self.cross_attention_residual = Residual(config, rngs=rngs)
+        self.has_cross_attention = config.family == "encoder_decoder"  # decoder_only: self-attention alone
+        if self.has_cross_attention:
+            self.cross_attention = MultiHeadAttention(config, "cross_attention", rngs=rngs)
+            self.cross_attention_residual = Residual(config, rngs=rngs)
         self.feed_forward = feed_forward(config, index, rngs)
         self.feed_forward_residual = Residual(config, rngs=rngs)
 
@@ -828,7 +908,8 @@ class DecoderLayer(nnx.Module):
                    hypotheses: int) -> dict[str, Any]:
         """This layer's part of Transformer.init_cache: an empty self-attention cache of `rows` rows in `blocks`
         equal arrays (performer: zero running sums per hypothesis), and what cross-attention reads of encoded
-        [batch, src_length, embed]: its keys/values (performer: their sums, padding left out)."""
+        [batch, src_length, embed]: its keys/values (performer: their sums, padding left out); without
+        cross-attention (decoder_only) the prefix's keys/values come from Transformer.init_cache instead."""
         batch, config = encoded.shape[0], self.self_attention.config
         cache = {}
         if self.self_attention.kind == "performer":
@@ -841,6 +922,8 @@ class DecoderLayer(nnx.Module):
                                    for _ in range(blocks)),
                          value=tuple(jnp.zeros((batch, config.num_heads, length, config.head_dim), dtype)
                                      for _ in range(blocks)))
+        if not self.has_cross_attention:
+            return cache
         keys, values = self.cross_attention.keys_values(encoded)
         if self.cross_attention.kind == "performer":
             sums = self.cross_attention.key_sums(keys, values, source_segmentation)
@@ -851,13 +934,17 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x: Array, encoded: Array | None, self_mask: Array, cross_mask: Array, real: Array | None, *,
                  deterministic: bool, rngs: nnx.Rngs | None, cache: dict[str, Any] | None = None,
-                 cache_index: Array | None = None) -> tuple[Array, dict[str, Any] | None, Array]:
+                 cache_index: Array | None = None, keep_keys: bool = False
+                 ) -> tuple[Array, dict[str, Any] | None, Array]:
         """x [batch, length, embed], encoded [batch, src_length, embed], real [batch, length] (not padding; None:
         every position) -> ([batch, length, embed], cache, router stats).
 
         With a cache (init_cache), x holds the queries of cache rows cache_index ... cache_index + length - 1
         (they lie in one block): their keys/values are written there, each query attends to the cache rows
         self_mask shows it, and cross-attention reads the keys/values computed once by init_cache (encoded unused).
+        Without cross-attention (decoder_only), a cache's "prefix_key"/"prefix_value" are the source prefix's,
+        which every query reads where cross_mask [batch, 1, 1, src_length] shows them; keep_keys (no cache)
+        returns this pass's self-attention keys/values as such a prefix.
         """
         kw = dict(deterministic=deterministic, rngs=rngs)
 
@@ -865,6 +952,8 @@ class DecoderLayer(nnx.Module):
             nonlocal cache
             keys, values = self.self_attention.keys_values(y)
             if cache is None:
+                if keep_keys:
+                    cache = dict(zip(("prefix_key", "prefix_value"), to_cache_layout(keys, values)))
                 return self.self_attention(y, keys, values, self_mask, **kw)
             if "state" in cache:  # performer: this position's key and value join each hypothesis's running sums
                 y, sums = self.self_attention.attend_sums(y, {name: cache[name] for name in PERFORMER_SUMS},
@@ -874,8 +963,9 @@ class DecoderLayer(nnx.Module):
             keys, values = to_cache_layout(keys, values)
             cache = {**cache, "key": write_cache_rows(cache["key"], keys, 3, cache_index),
                      "value": write_cache_rows(cache["value"], values, 2, cache_index)}
+            prefix = ((cache["prefix_key"], cache["prefix_value"], cross_mask),) if "prefix_key" in cache else ()
             return self.self_attention.attend_cache(y, cache["key"], cache["value"], self_mask,
-                                                    cache_index + y.shape[1] - 1)
+                                                    cache_index + y.shape[1] - 1, prefix)
 
         def cross_attend(y):
             if cache is None:
@@ -886,7 +976,8 @@ class DecoderLayer(nnx.Module):
             return self.cross_attention.attend_cache(y, (cache["cross_key"],), (cache["cross_value"],), cross_mask)
 
         x = self.self_attention_residual(x, self_attend, **kw)
-        x = self.cross_attention_residual(x, cross_attend, **kw)
+        if self.has_cross_attention:
+            x = self.cross_attention_residual(x, cross_attend, **kw)
         x, stats = feed_forward_sublayer(self, x, real, kw)
         return x, cache, stats
 
@@ -973,7 +1064,7 @@ def stack_layer_params(params: dict) -> dict:
     gain a leading layer axis."""
     def stack(layers):
         return {"stacked": jax.tree.map(lambda *xs: jnp.stack(xs), *(layers[i] for i in range(len(layers))))}
-    return {**params, **{name: stack(params[name]) for name in ("encoder_layers", "decoder_layers")}}
+    return {**params, **{name: stack(params[name]) for name in ("encoder_layers", "decoder_layers") if name in params}}
 
 
 def unstack_layer_params(params: dict) -> dict:
@@ -981,7 +1072,8 @@ def unstack_layer_params(params: dict) -> dict:
     def unstack(stack):
         count = jax.tree.leaves(stack["stacked"])[0].shape[0]
         return {i: jax.tree.map(lambda x, i=i: x[i], stack["stacked"]) for i in range(count)}
-    return {**params, **{name: unstack(params[name]) for name in ("encoder_layers", "decoder_layers")}}
+    return {**params, **{name: unstack(params[name]) for name in ("encoder_layers", "decoder_layers")
+                         if name in params}}
 
 
 class Transformer(nnx.Module):
@@ -997,21 +1089,21 @@ class Transformer(nnx.Module):
                 config.emb_dim, config.vocab_size, use_bias=False, dtype=config.compute_dtype,
                 preferred_element_type=jnp.float32,
                 kernel_init=config.kernel_init("embed", "vocab"), rngs=rngs)
-        if config.scan_layers:
-            self.encoder_layers = LayerStack(EncoderLayer, config, config.num_encoder_layers, rngs=rngs)
-            self.decoder_layers = LayerStack(DecoderLayer, config, config.num_decoder_layers, rngs=rngs)
-        else:
-            self.encoder_layers = nnx.List([EncoderLayer(config, rngs=rngs, index=index)
-                                            for index in range(config.num_encoder_layers)])
-            self.decoder_layers = nnx.List([DecoderLayer(config, rngs=rngs, index=index)
-                                            for index in range(config.num_decoder_layers)])
-        if config.layer_norm == "pre":  # pre-LN leaves the residual stream unnormalised: close each stack
-            self.encoder_norm = layer_norm(config, rngs)
-            self.decoder_norm = layer_norm(config, rngs)
+        # The family's stacks only (ModelConfig.stack_depths): decoder_only has no encoder, encoder_only no decoder.
+        for name, depth in config.stack_depths.items():
+            layer = EncoderLayer if name == "encoder_layers" else DecoderLayer
+            setattr(self, name, LayerStack(layer, config, depth, rngs=rngs) if config.scan_layers else
+                    nnx.List([layer(config, rngs=rngs, index=index) for index in range(depth)]))
+            if config.layer_norm == "pre":  # pre-LN leaves the residual stream unnormalised: close each stack
+                setattr(self, name.replace("_layers", "_norm"), layer_norm(config, rngs))
 
     def encode(self, inputs: Array, *, inputs_segmentation: Array | None = None, inputs_position: Array | None = None,
                deterministic: bool = True, rngs: nnx.Rngs | None = None) -> Array:
-        """inputs [batch, src_length] int -> encoded [batch, src_length, embed]."""
+        """inputs [batch, src_length] int -> encoded [batch, src_length, embed]: the encoder's outputs
+        (decoder_only: the embedded source prefix, which init_cache runs through the decoder)."""
+        if self.config.family == "decoder_only":
+            return self.target_embedder(inputs, positions_of(inputs, inputs_position), deterministic=deterministic,
+                                        rngs=rngs)
         return self._encode(inputs, inputs_segmentation, inputs_position, deterministic, rngs)[0]
 
     def _encode(self, inputs, inputs_segmentation, inputs_position, deterministic, rngs) -> tuple[Array, Array]:
@@ -1079,26 +1171,58 @@ class Transformer(nnx.Module):
         wrapped = nnx.remat(call) if self.config.remat else call
         return lambda *args, rngs: wrapped(layer, rngs, *args)
 
-    def __call__(self, inputs: Array, decoder_inputs: Array, *, inputs_segmentation: Array | None = None,
+    def _decode_joined(self, inputs, decoder_inputs, inputs_segmentation, inputs_position, targets_segmentation,
+                       targets_position, deterministic, rngs) -> tuple[Array, Array]:
+        """decoder_only's teacher-forced pass: the sources and the shifted targets (whose start symbol 0 is the
+        `<sep>`) joined into one stream (join_pair) under prefix_lm_mask -> (logits of the target part [batch,
+        tgt_length, vocab], router stats)."""
+        source_segmentation = segmentation_of(inputs, inputs_segmentation)
+        if targets_segmentation is None:  # unpacked: as _decode, every target position is a query
+            targets_segmentation = jnp.ones_like(decoder_inputs)
+            target_real = (decoder_inputs != 0) | (jnp.arange(decoder_inputs.shape[1]) == 0)
+        else:
+            target_real = targets_segmentation != 0
+        tokens, segmentation, positions = join_pair(
+            inputs, source_segmentation, positions_of(inputs, inputs_position), decoder_inputs, targets_segmentation,
+            positions_of(decoder_inputs, targets_position))
+        mask = prefix_lm_mask(segmentation, inputs.shape[1], self.config.prefix_lm)
+        real = jnp.concatenate([source_segmentation != 0, target_real], axis=1)
+        x = self.target_embedder(tokens, positions, deterministic=deterministic, rngs=rngs)
+        x, _, stats = self._decoder_stack(x, None, mask, None, real, deterministic=deterministic, rngs=rngs)
+        return self.logits(x[:, inputs.shape[1]:]), stats
+
+    def __call__(self, inputs: Array, decoder_inputs: Array | None = None, *, inputs_segmentation: Array | None = None,
                  inputs_position: Array | None = None, targets_segmentation: Array | None = None,
                  targets_position: Array | None = None, deterministic: bool = True,
                  rngs: nnx.Rngs | None = None, with_router_stats: bool = False) -> Array | tuple[Array, dict]:
-        """The training pass: logits [batch, tgt_length, vocab] float32; with_router_stats: (logits, the
+        """The training pass: logits [batch, tgt_length, vocab] float32 of the targets (encoder_only, which takes
+        no decoder_inputs: of every position of `inputs`, its masked stream); with_router_stats: (logits, the
         ROUTER_STATS of route() averaged over the model's expert layers, {} when it has none)."""
-        encoded, encoder_stats = self._encode(inputs, inputs_segmentation, inputs_position, deterministic, rngs)
-        logits, decoder_stats = self._decode(decoder_inputs, encoded, inputs, inputs_segmentation,
-                                             targets_segmentation, targets_position, deterministic, rngs)
+        config = self.config
+        if config.family == "decoder_only":
+            logits, stats = self._decode_joined(inputs, decoder_inputs, inputs_segmentation, inputs_position,
+                                                targets_segmentation, targets_position, deterministic, rngs)
+        else:
+            encoded, stats = self._encode(inputs, inputs_segmentation, inputs_position, deterministic, rngs)
+            if config.family == "encoder_only":  # the masked language model's head: the tied embedding
+                logits = self.output(encoded)
+            else:
+                logits, decoder_stats = self._decode(decoder_inputs, encoded, inputs, inputs_segmentation,
+                                                     targets_segmentation, targets_position, deterministic, rngs)
+                stats = stats + decoder_stats
         if not with_router_stats:
             return logits
-        config = self.config
         layers = config.expert_layers(config.num_encoder_layers) + config.expert_layers(config.num_decoder_layers)
         if not layers:
             return logits, {}
-        return logits, dict(zip(ROUTER_STATS, (encoder_stats + decoder_stats) / layers))
+        return logits, dict(zip(ROUTER_STATS, stats / layers))
 
     def logits(self, x: Array) -> Array:
-        if self.config.layer_norm == "pre":
-            x = self.decoder_norm(x)
+        """The decoder's outputs [batch, length, embed] -> float32 logits [batch, length, vocab]."""
+        return self.output(self.decoder_norm(x) if self.config.layer_norm == "pre" else x)
+
+    def output(self, x: Array) -> Array:
+        """The pre-softmax projection of normalised outputs: the tied embedding, or its own matrix."""
         if self.config.tie_output_embedding:
             return self.target_embedder.logits(x)
         return self.output_projection(x)  # accumulated in float32 (preferred_element_type)
@@ -1120,9 +1244,25 @@ class Transformer(nnx.Module):
         if self.config.decoder_attention == "local" and self.config.local_window + 1 < max_decode_length:
             positions, blocks = self.config.local_window + 1, 1
         rows = -(-positions // blocks) * blocks * hypotheses
-        return {"source_mask": (inputs != 0)[:, None, None, :],
-                "layers": [layer.init_cache(encoded, inputs != 0, rows, blocks, hypotheses)
-                           for layer in self.decoder_layers]}
+        cache = {"source_mask": (inputs != 0)[:, None, None, :],
+                 "layers": [layer.init_cache(encoded, inputs != 0, rows, blocks, hypotheses)
+                            for layer in self.decoder_layers]}
+        if self.config.family == "decoder_only":
+            cache = self._prefill(encoded, inputs, cache)
+        return cache
+
+    def _prefill(self, embedded: Array, inputs: Array, cache: Cache) -> Cache:
+        """decoder_only: the source prefix (embedded: `encode`) through the decoder once, as the teacher-forced
+        pass runs it (a source never sees a target, so its states are the same), keeping each layer's keys/values
+        for every step to read, and each row's prefix length, which numbers the steps' positions on from it."""
+        segmentation = (inputs != 0).astype(jnp.int32)
+        mask = attention_mask(segmentation, segmentation, causal=not self.config.prefix_lm)
+        x, layers = embedded, []
+        for layer, layer_cache in zip(self.decoder_layers, cache["layers"], strict=True):
+            x, prefix, _ = layer(x, None, mask, None, segmentation != 0, deterministic=True, rngs=None,
+                                 keep_keys=True)
+            layers.append({**layer_cache, **prefix})
+        return {**cache, "layers": layers, "prefix_length": jnp.sum(segmentation, axis=1)}
 
     def decode_step(self, tokens: Array, position: Array, cache: Cache, *,
                     history: Array | None = None) -> tuple[Array, Cache]:
@@ -1134,7 +1274,10 @@ class Transformer(nnx.Module):
         hypothesis's rows hold it (default: its own), so a search that reorders its hypotheses (beam search) moves
         this table rather than every layer's cache.
         """
-        x = self.target_embedder(tokens, jnp.full(tokens.shape, position, jnp.int32), deterministic=True, rngs=None)
+        positions = jnp.full(tokens.shape, position, jnp.int32)
+        if "prefix_length" in cache:  # decoder_only: the target is numbered on from its source prefix (join_pair)
+            positions = positions + cache["prefix_length"][:, None]
+        x = self.target_embedder(tokens, positions, deterministic=True, rngs=None)
         if self.config.decoder_attention == "performer":
             return self._performer_step(x, position, cache, history)
         batch, count = tokens.shape

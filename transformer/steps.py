@@ -19,7 +19,8 @@ import optax
 from flax import nnx
 
 from transformer import optim
-from transformer.model import ROUTER_STATS
+from transformer.model import ROUTER_STATS, join_pair, positions_of, segmentation_of
+from transformer.tokenizer import EOS_ID, PAD_ID, UNK_ID
 
 PyTree = Any
 SUM_KEYS = ("loss", "nll", "correct", "denominator", "source_tokens",  # summed over batches and steps
@@ -85,15 +86,21 @@ def token_metrics(logits: jax.Array, batch: dict[str, jax.Array], label_smoothin
     }
 
 
-def attention_pairs(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+def attention_pairs(batch: dict[str, jax.Array], config=None) -> dict[str, jax.Array]:
     """Query-key pairs that attend within a segment (packed rows count each sentence's own square), for the
     analytic model-FLOP count (transformer/throughput.py). Causal self-attention counts the full square, as the
-    peers' dense masked matrices do. Float sums, like the other SUM_KEYS."""
+    peers' dense masked matrices do. Float sums, like the other SUM_KEYS. An encoder_only model's encoder pairs
+    are those of the stream it reads (config.masked_side); decoder_only's joined stream is throughput's sum of
+    the three."""
     source = batch.get("inputs_segmentation", (batch["inputs"] != 0).astype(jnp.int32))
     target = batch.get("targets_segmentation", (batch["targets"] != 0).astype(jnp.int32))
 
     def pairs(query, key):
         return jnp.sum((query[:, :, None] == key[:, None, :]) & (key[:, None, :] != 0)).astype(jnp.float32)
+    if config is not None and config.family == "encoder_only":
+        stream = masked_side_stream(batch, config.masked_side)[1]
+        zero = jnp.zeros((), jnp.float32)
+        return {"encoder_pairs": pairs(stream, stream), "decoder_pairs": zero, "cross_pairs": zero}
     return {"encoder_pairs": pairs(source, source), "decoder_pairs": pairs(target, target),
             "cross_pairs": pairs(target, source)}
 
@@ -101,7 +108,11 @@ def attention_pairs(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
 def forward(model: nnx.Module, batch: dict[str, jax.Array], *, deterministic: bool,
             rngs: nnx.Rngs | None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Teacher-forced logits [batch, length, vocab] for a (possibly packed) batch, and the router stats of a
-    mixture of experts ({} without one)."""
+    mixture of experts ({} without one). An encoder_only model reads `inputs` alone (masked_batch's)."""
+    if model.config.family == "encoder_only":
+        return model(batch["inputs"], inputs_segmentation=batch["inputs_segmentation"],
+                     inputs_position=batch["inputs_position"], deterministic=deterministic, rngs=rngs,
+                     with_router_stats=True)
     targets_segmentation = batch.get("targets_segmentation")
     return model(batch["inputs"], shift_right(batch["targets"], targets_segmentation),
                  inputs_segmentation=batch.get("inputs_segmentation"), inputs_position=batch.get("inputs_position"),
@@ -109,13 +120,74 @@ def forward(model: nnx.Module, batch: dict[str, jax.Array], *, deterministic: bo
                  deterministic=deterministic, rngs=rngs, with_router_stats=True)
 
 
+# ----------------------------------------------------------------------------------------------------
+# Masked language modelling (model.family = "encoder_only")
+#
+# The mask symbol is token 0: padding and the decoder's start symbol elsewhere, it is never an encoder's input
+# at a real position, so no vocabulary needs a symbol of its own (a model trained on any sentencepiece file
+# masks the same way). The masking runs inside the jitted step, from the step's key: no host work per batch.
+
+MASK_ID = PAD_ID
+FIRST_PIECE = UNK_ID + 1  # random replacements are ordinary pieces, never padding, EOS or unknown
+MASK_SALT = 0x6D61736B  # folded into the step's dropout key: the masking's own stream
+
+
+def masked_side_stream(batch: dict[str, jax.Array], side: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """What encoder_only reads of a translation batch: (tokens, segmentation, positions) [batch, length] of the
+    source, the target, or both joined (join_pair: XLM's translation language modelling, the target numbered on
+    from its source, so that the positions tell the sides apart)."""
+    def side_of(name):
+        tokens = batch[name]
+        return (tokens, segmentation_of(tokens, batch.get(f"{name}_segmentation")),
+                positions_of(tokens, batch.get(f"{name}_position")))
+    if side == "both":
+        return join_pair(*side_of("inputs"), *side_of("targets"))
+    return side_of({"source": "inputs", "target": "targets"}[side])
+
+
+def mask_tokens(key: jax.Array, tokens: jax.Array, segmentation: jax.Array, rate: float,
+                vocab_size: int) -> tuple[jax.Array, jax.Array]:
+    """BERT's masking: each real token but EOS is chosen with probability `rate` (independently, as most
+    implementations draw it); a chosen one becomes MASK_ID with probability 0.8, a random ordinary piece with 0.1,
+    and stays itself with 0.1 -> (the model's inputs, labels: the chosen tokens' ids, 0 elsewhere)."""
+    choose_key, kind_key, piece_key = jax.random.split(key, 3)
+    chosen = (jax.random.uniform(choose_key, tokens.shape) < rate) & (segmentation != 0) & (tokens != EOS_ID)
+    kind = jax.random.uniform(kind_key, tokens.shape)
+    pieces = jax.random.randint(piece_key, tokens.shape, FIRST_PIECE, vocab_size, dtype=tokens.dtype)
+    masked = jnp.where(chosen & (kind < 0.8), MASK_ID, jnp.where(chosen & (kind < 0.9), pieces, tokens))
+    return masked, jnp.where(chosen, tokens, 0)
+
+
+def eval_mask_key(batch: dict[str, jax.Array]) -> jax.Array:
+    """Evaluation's masking key, a function of the batch's tokens alone: every evaluation of a split (during
+    training, at its end, in eval.py) masks the same tokens, so their scores compare."""
+    words = jnp.concatenate([batch["inputs"], batch["targets"]], axis=1).astype(jnp.uint32)
+    weights = jnp.arange(1, words.size + 1, dtype=jnp.uint32).reshape(words.shape) * jnp.uint32(0x9E3779B1)
+    return jax.random.fold_in(jax.random.key(0), jnp.sum(words * weights))
+
+
+def masked_batch(batch: dict[str, jax.Array], key: jax.Array, config) -> dict[str, jax.Array]:
+    """A translation batch -> encoder_only's: the masked stream as `inputs` (with its segmentation and
+    positions), its labels as `targets`, so that token_metrics scores the chosen tokens alone."""
+    tokens, segmentation, positions = masked_side_stream(batch, config.masked_side)
+    masked, labels = mask_tokens(key, tokens, segmentation, config.mask_rate, config.vocab_size)
+    return {"inputs": masked, "inputs_segmentation": segmentation, "inputs_position": positions, "targets": labels,
+            "stream": tokens}
+
+
 def step_metrics(model: nnx.Module, batch: dict[str, jax.Array], label_smoothing: float, *, deterministic: bool,
-                 rngs: nnx.Rngs | None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                 rngs: nnx.Rngs | None, mask_key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(The summed training objective, the metric sums): the smoothed loss of every target token plus, for a
     mixture of experts, router_balance_weight x the load-balancing loss + router_z_weight x the z-loss, each per
-    token (so the objective divided by the tokens is the mean loss plus the weighted router losses)."""
+    token (so the objective divided by the tokens is the mean loss plus the weighted router losses). An
+    encoder_only model's targets are its masked tokens (masked_batch, from mask_key; eval_mask_key's when None)."""
+    pairs = attention_pairs(batch, model.config)
+    if model.config.family == "encoder_only":
+        batch = masked_batch(batch, eval_mask_key(batch) if mask_key is None else mask_key, model.config)
     logits, router = forward(model, batch, deterministic=deterministic, rngs=rngs)
-    metrics = token_metrics(logits, batch, label_smoothing)
+    metrics = {**token_metrics(logits, batch, label_smoothing), **pairs}
+    if "stream" in batch:
+        metrics["source_tokens"] = jnp.sum(batch["stream"] != 0).astype(jnp.float32)
     objective = metrics["loss"]
     if router:
         config = model.config
@@ -208,7 +280,7 @@ def gradients(params: PyTree, batch: dict[str, jax.Array], dropout_key: jax.Arra
     update. Microbatch m draws dropout from fold_in(dropout_key, m)."""
     def loss_fn(params, batch, key):
         return step_metrics(nnx.merge(graphdef, params), batch, label_smoothing, deterministic=False,
-                            rngs=dropout_rngs(key, rng_impl))
+                            rngs=dropout_rngs(key, rng_impl), mask_key=jax.random.fold_in(key, MASK_SALT))
 
     grad_fn = jax.grad(loss_fn, has_aux=True)
     if num_microbatches == 1:
@@ -239,7 +311,6 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     grads, metrics = gradients(state.params, batch, dropout_key, graphdef=graphdef, label_smoothing=label_smoothing,
                                num_microbatches=num_microbatches, rng_impl=rng_impl)
     grads = jax.tree.map(lambda g: g / jnp.maximum(metrics["denominator"], 1.0), grads)
-    metrics.update(attention_pairs(batch))
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(grads)

@@ -15,6 +15,12 @@ mean the same thing. For one training step (backward = 2 x forward, hence the fa
               the full square, since the dense masked matrix is computed; an unpadded batch has B S^2 ... pairs)
   output    = 6 x vocab x d x target tokens                               (the pre-softmax projection)
 
+The other families (model.family) count the same parts of what they run: decoder_only's layer is an encoder
+layer's 4 d^2 + 2 d d_ff on source and target tokens alike, and its joined stream's pairs are the encoder,
+decoder and twice the cross pairs ((s + t)^2 per sentence); encoder_only's encoder runs on the stream it reads
+(its source_tokens and encoder_pairs), and its output on every position of that stream (the masked language
+model's head is not gathered to the masked tokens).
+
 Embedding lookups, LayerNorm, softmax, dropout, the loss and the optimizer are not counted. Tokens and
 pairs are the real (non-padding) ones of the batch, so a packed batch counts its sentences, not its rows.
 """
@@ -51,6 +57,15 @@ def model_flops(config: ModelConfig, *, source_tokens: float, target_tokens: flo
     d, ff, vocab = config.emb_dim, config.mlp_dim, config.vocab_size
     expert_ff = config.experts_per_token * 2 * d * ff + d * config.num_experts - 2 * d * ff  # over a dense one
     encoder_layer = 4 * d * d + 2 * d * ff
+    if config.family == "decoder_only":
+        layers, tokens = config.num_decoder_layers, source_tokens + target_tokens
+        return float(6 * (layers * encoder_layer + expert_ff * config.expert_layers(layers)) * tokens
+                     + 12 * d * layers * (encoder_pairs + decoder_pairs + 2 * cross_pairs)
+                     + 6 * vocab * d * target_tokens)
+    if config.family == "encoder_only":
+        layers = config.num_encoder_layers
+        return float(6 * (layers * encoder_layer + expert_ff * config.expert_layers(layers)) * source_tokens
+                     + 12 * d * layers * encoder_pairs + 6 * vocab * d * source_tokens)
     decoder_on_targets = 4 * d * d + 2 * d * d + 2 * d * ff
     decoder_on_sources = 2 * d * d
     dense = 6 * (config.num_encoder_layers * encoder_layer * source_tokens

@@ -155,8 +155,16 @@ class Settings:
                              "data.pack=false")
         if shapes.position_limit is not None and shapes.position_limit < settings.data.max_length:
             table = "the learned position table" if shapes.positional_encoding == "learned" else "linformer's projection"
-            raise ValueError(f"model.max_length={shapes.max_length} ({table}) is shorter than "
-                             f"data.max_length={settings.data.max_length}")
+            joined = ", which numbers a target on from its source (half each)" if shapes.joins_pair else ""
+            raise ValueError(f"model.max_length={shapes.max_length} ({table}{joined}) is shorter than "
+                             f"data.max_length={settings.data.max_length}" + (" per side" if joined else ""))
+        if shapes.family == "encoder_only":  # a masked language model is scored by its masked tokens, not BLEU
+            for key, value in (("bleu_every_steps", settings.train.bleu_every_steps),
+                               ("keep_best_checkpoint", settings.train.keep_best_checkpoint)):
+                if value:
+                    raise ValueError(f"train.{key}={value} needs BLEU, and model.family='encoder_only' has no "
+                                     "decoder to translate with: unset it (the run reports masked accuracy and "
+                                     "perplexity)")
         return settings
 
     def model_config(self, vocab_size: int) -> ModelConfig:
@@ -357,8 +365,9 @@ def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
         raise data.DataError(f"every train pair is longer than data.max_length={settings.data.max_length} tokens")
     valid = data.TokenCache.tokenize(tokenizer, pairs["valid"])
     valid_filter = data.LengthFilter.of(valid, settings.data.max_length)
-    log.info("valid loss: %d pairs, %d longer than %d tokens left out (BLEU decodes them all)", len(valid_filter.kept),
-             valid_filter.too_long, settings.data.max_length)
+    decoded = "" if settings.model.get("family") == "encoder_only" else " (BLEU decodes them all)"
+    log.info("valid loss: %d pairs, %d longer than %d tokens left out%s", len(valid_filter.kept),
+             valid_filter.too_long, settings.data.max_length, decoded)
     if not len(valid_filter.kept):
         raise data.DataError(f"every valid pair is longer than data.max_length={settings.data.max_length} tokens")
     return Corpus(tokenizer, pairs, valid, valid_filter.kept, cache, length_filter.kept, source)
@@ -444,6 +453,8 @@ class Run:
         self.checkpointer = self.snapshots = self.best_checkpointer = None
         self.checkpoints_closed = False
         self.warned_cut: set[str] = set()  # the splits whose cut sources have been named in the log
+        self.eval_caches: dict[str, tuple] = {}  # split -> its token cache and kept pairs (evaluate_loss)
+        self.evaluate = None  # the compiled eval step, once train() has compiled it
         self.lock = acquire_workdir(workdir)  # before anything reads or writes the workdir
         try:
             self._start(self.config, workdir)
@@ -526,10 +537,20 @@ class Run:
     def search_fn(self):
         return self.settings.decode.search_fn(self.graphdef, self.settings.seed)
 
-    def evaluate_loss(self, evaluate) -> dict[str, float]:
-        batches = data.eval_batches(self.corpus.valid, self.corpus.valid_kept, max_length=self.settings.data.max_length,
+    def evaluate_loss(self, evaluate, split: str = "valid", params=None) -> dict[str, float]:
+        """The eval step's loss, accuracy and perplexity over a split's pairs within data.max_length (an
+        encoder_only model's: of its masked tokens, the same ones at every evaluation: steps.eval_mask_key)."""
+        if split == "valid":
+            cache, kept = self.corpus.valid, self.corpus.valid_kept
+        else:
+            if split not in self.eval_caches:
+                tokens = data.TokenCache.tokenize(self.corpus.tokenizer, self.corpus.pairs[split])
+                self.eval_caches[split] = tokens, data.LengthFilter.of(tokens, self.settings.data.max_length).kept
+            cache, kept = self.eval_caches[split]
+        batches = data.eval_batches(cache, kept, max_length=self.settings.data.max_length,
                                     rows_per_batch=self.batch.rows, pack=self.settings.data.pack)
-        outputs = [evaluate(self.state.params, sharding.place_batch(batch, self.batch_sharding)) for batch in batches]
+        params = self.state.params if params is None else params
+        outputs = [evaluate(params, sharding.place_batch(batch, self.batch_sharding)) for batch in batches]
         summary = summarize(jax.device_get(outputs))
         keys = ("loss", "accuracy", "perplexity", "target_tokens") + tuple(k for k in ROUTER_STATS if k in summary)
         return {key: summary[key] for key in keys}
@@ -563,6 +584,7 @@ class Run:
         (transformer/loop.py); then the end's save, evaluation and scores. After a stop signal it returns
         {"preempted": step} instead, with that step's checkpoint committed."""
         train, evaluate, compile_seconds = self.compile_and_log()
+        self.evaluate = evaluate
         start_step = int(self.state.step)
         iterator = self.train_iterator(start_step)
         batches = prefetch_to_device(batches_with_states(iterator), self.batch_sharding)
@@ -720,13 +742,18 @@ class Run:
         final = self._score_final_params()
         if final["averaged_steps"]:
             result["averaged_steps"] = final["averaged_steps"]
-        result["bleu"] = final["bleu"]
+        scored = "masked" if "masked" in final else "bleu"
+        result[scored] = final[scored]
         self.marks.record(self.clock.seconds, final)  # marks passed in the same fetch as the budget: the end's scores
         if self.marks.reports:
             result["reports"] = self.marks.reports
             self._write_reports(self.marks.reports)
         self.close_checkpointers()
-        self.writer.write_final({f"{split}_bleu": score["bleu"] for split, score in result["bleu"].items()})
+        if scored == "bleu":
+            self.writer.write_final({f"{split}_bleu": score["bleu"] for split, score in result["bleu"].items()})
+        else:
+            self.writer.write_final({f"{split}_masked_{key}": score[key] for split, score in result["masked"].items()
+                                     for key in ("accuracy", "perplexity")})
         self.writer.close()
         if self.is_writer:
             files.write_json(os.path.join(self.workdir, "scores.json"), result)
@@ -788,9 +815,22 @@ class Run:
         checkpoints (final_params), decoded and scored on decode.bleu_splits. Nothing here feeds back into
         training, so scoring the test split at a mark is as safe as at the end."""
         params, averaged = self.final_params()
-        bleu = self._report_bleu(self.settings.decode.splits, params=params, prefix="avg_" if averaged else "")
-        return {"step": int(self.state.step), "train_seconds": self.train_seconds, "averaged_steps": averaged,
-                "bleu": bleu}
+        prefix = "avg_" if averaged else ""
+        report = {"step": int(self.state.step), "train_seconds": self.train_seconds, "averaged_steps": averaged}
+        if self.model_config.family == "encoder_only":
+            return {**report, "masked": self._report_masked(self.settings.decode.splits, params, prefix)}
+        return {**report, "bleu": self._report_bleu(self.settings.decode.splits, params=params, prefix=prefix)}
+
+    def _report_masked(self, splits: list[str], params, prefix: str) -> dict[str, dict[str, float]]:
+        """encoder_only's scores in place of BLEU: masked-token accuracy and perplexity on each split."""
+        scores, step = {}, int(self.state.step)
+        for split in splits:
+            scores[split] = self.evaluate_loss(self.evaluate, split, params)
+            self.writer.write(step, scores[split], f"{prefix}{split}_masked")
+            self.progress.write(f"step {step}: {prefix}{split} masked accuracy {scores[split]['accuracy']:.3f} "
+                                f"perplexity {scores[split]['perplexity']:.2f} over {scores[split]['target_tokens']:.0f} "
+                                "masked tokens")
+        return scores
 
     def _write_reports(self, reports: dict[str, Any]) -> None:
         if self.is_writer:
@@ -1028,6 +1068,11 @@ def saved_config(config: Mapping[str, Any], tokenizer: Tokenizer) -> str:
     return json.dumps(saved, indent=2)
 
 
+def workdir_family(workdir: str) -> str:
+    """The model family (model.family) of a workdir's run, from its config.json."""
+    return load_workdir_config(workdir).get("model", {}).get("family", field_default("model.family"))
+
+
 def load_workdir_config(workdir: str) -> dict[str, Any]:
     path = os.path.join(workdir, CONFIG_FILE)
     if not files.exists(path):
@@ -1064,6 +1109,26 @@ class Restored:
     def input_bound(self) -> int:
         """Sources past this many tokens are cut (decode.max_input_length, by default the training max_length)."""
         return self.settings.decode.input_bound(self.settings.data.max_length, self.model_config.position_limit)
+
+    def masked_scores(self, pairs: list[tuple[str, str]]) -> dict[str, float]:
+        """An encoder_only model's scores on sentence pairs, as its run's evaluation computes them: masked-token
+        loss, accuracy and perplexity over the pairs within data.max_length, masked by steps.eval_mask_key (the
+        same tokens as training's evaluation of the same split masked, batched the same way)."""
+        max_length = self.settings.data.max_length
+        cache = data.TokenCache.tokenize(self.tokenizer, pairs)
+        kept = data.LengthFilter.of(cache, max_length).kept
+        if not len(kept):
+            raise data.DataError(f"every pair is longer than data.max_length={max_length} tokens")
+        ways = jax.device_count()  # a multiple of every batch axis's size
+        rows = -(-max(self.settings.data.tokens_per_batch // max_length, 1) // ways) * ways
+        evaluate = jax.jit(functools.partial(eval_step, graphdef=self.graphdef,
+                                             label_smoothing=self.settings.train.label_smoothing))
+        batches = data.eval_batches(cache, kept, max_length=max_length, rows_per_batch=rows,
+                                    pack=self.settings.data.pack)
+        summary = summarize(jax.device_get([evaluate(self.params, sharding.place_batch(batch, self.batch_sharding))
+                                            for batch in batches]))
+        return {"loss": summary["loss"], "accuracy": summary["accuracy"], "perplexity": summary["perplexity"],
+                "masked_tokens": summary["target_tokens"], "pairs": len(kept), "pairs_too_long": len(pairs) - len(kept)}
 
 
 def restore(workdir: str, step: int | None = None, *, average_last: int = 0, best: bool = False,

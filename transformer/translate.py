@@ -82,6 +82,9 @@ def main(argv):
     if jax.process_count() > 1 and not FLAGS.input:
         raise errors.ConfigError("several processes read the same lines: give them --input (a file), not stdin")
     with errors.as_config_error():  # a bad flag or saved setting is named before anything is restored
+        if trainer.workdir_family(FLAGS.workdir) == "encoder_only":
+            raise ValueError(f"{FLAGS.workdir} holds an encoder_only model, which has no decoder to translate with "
+                             "(eval.py scores its masked tokens; transformer.features gives its encoder's outputs)")
         restored = trainer.restore_for_command_line(
             FLAGS.workdir, FLAGS.step, average_last=FLAGS.average_last, best=FLAGS.best, nbest=FLAGS.nbest,
             **{name: FLAGS[name].value for name in decode.COMMAND_LINE_OVERRIDES})
