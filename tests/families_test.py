@@ -156,9 +156,10 @@ def test_the_masked_language_model_scores_the_masked_tokens_the_same_way_each_ev
     first, again = evaluate(params, batch), evaluate(params, batch)
     assert float(first["nll"]) == float(again["nll"]) and first["denominator"] > 0  # the same tokens masked
     other = evaluate(params, {**batch, "inputs": batch["inputs"].at[0, 0].set(7)})
-    stream = masked = steps.masked_batch(batch, steps.eval_mask_key(batch), model.config)
+    masked = steps.masked_batch(batch, steps.eval_mask_key(batch), model.config)
     assert float(first["denominator"]) == float(jnp.sum(masked["targets"] != 0))
-    assert float(first["source_tokens"]) == float(jnp.sum(stream["stream"] != 0))  # both sides read
+    assert float(first["source_tokens"]) == float(jnp.sum(masked["stream"] != 0))  # both sides read
+    assert masked["stream"].shape[1] == INPUTS.shape[1] + DECODER_INPUTS.shape[1]
     # another batch is masked by another key
     assert not np.array_equal(steps.eval_mask_key(batch), steps.eval_mask_key({**batch, "inputs": batch["inputs"]
                                                                                 .at[0, 0].set(7)}))

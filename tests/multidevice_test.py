@@ -2,7 +2,7 @@
 starts, so sharding_test.py runs this module in a subprocess; in the ordinary 1-device session it is skipped.
 
 Fast: an accumulated step on (2,2,2) equals the big batch on (1,1,1), and so does a step of each attention kind
-and one of a mixture of experts split over an expert axis of 4; parameters are born sharded; a
+one of each model family, and one of a mixture of experts split over an expert axis of 4; parameters are born sharded; a
 checkpoint saved on one mesh restores onto another. Slow: one step with dropout on (8,1,1), (2,4,1), (2,2,2)
 equals (1,1,1); accumulation over 4 slices on (2,1,1); bfloat16 trains.
 """
@@ -53,9 +53,13 @@ def setup(mesh_sizes, model=MODEL, num_microbatches=1):
 
 
 @functools.cache
-def one_step(mesh_sizes, num_microbatches=1, dropout_rate=0.1, kind="dense", experts=0):
+def one_step(mesh_sizes, num_microbatches=1, dropout_rate=0.1, kind="dense", experts=0, family="encoder_decoder"):
     kinds = {field: kind if kind in allowed else "dense" for field, allowed in ATTENTION_KINDS.items()}
     model = dataclasses.replace(MODEL, dropout_rate=dropout_rate, local_window=3, performer_features=16, **kinds)
+    if family != "encoder_decoder":  # the two stacks' layers as one stack of the family
+        stack = "num_decoder_layers" if family == "decoder_only" else "num_encoder_layers"
+        model = dataclasses.replace(model, family=family, masked_side="both",
+                                    **{"num_encoder_layers": 0, "num_decoder_layers": 0, stack: 2})
     if experts:  # every layer a mixture, top-2, with room for every token (capacity = k x row / E x E / k)
         model = dataclasses.replace(model, num_experts=experts, experts_per_token=2, expert_every=1,
                                     capacity_factor=experts / 2)
@@ -91,6 +95,15 @@ def test_each_attention_kind_steps_on_2x2x2_as_on_one_device(kind):
     (performer in all three sublayers): the kind's own computation (local's blocks, linformer's projection,
     performer's sums), sharded over data, fsdp and tensor, gives the one-device step."""
     assert_same_step(one_step((2, 2, 2), dropout_rate=0.0, kind=kind), one_step((1, 1, 1), dropout_rate=0.0, kind=kind))
+
+
+@pytest.mark.parametrize("family", ["decoder_only", "encoder_only"])
+def test_each_family_steps_on_2x2x2_as_on_one_device(family):
+    """decoder_only's joined stream and prefix mask, encoder_only's masking (drawn in the step from its key, the same
+    tokens on any mesh) over the joined pair, sharded over data, fsdp and tensor, give the one-device step."""
+    sharded = one_step((2, 2, 2), dropout_rate=0.0, family=family)
+    assert_same_step(sharded, one_step((1, 1, 1), dropout_rate=0.0, family=family))
+    assert sharded[1]["denominator"] > 0
 
 
 def test_experts_split_over_an_expert_axis_of_4_step_as_on_one_device():

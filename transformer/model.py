@@ -1078,7 +1078,9 @@ def unstack_layer_params(params: dict) -> dict:
 
 class Transformer(nnx.Module):
     """Encoder-decoder with shared embeddings: `encode`, `decode` (teacher-forced), and for incremental decoding
-    `init_cache` and `decode_step`, which every search uses."""
+    `init_cache` and `decode_step`, which every search uses. config.family builds the same layers as a
+    decoder-only language model over `source <sep> target` (the same four calls) or an encoder-only masked
+    language model (`__call__` and `encode`)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
