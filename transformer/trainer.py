@@ -321,6 +321,25 @@ def make_plan(settings: Settings, vocab_size: int, mesh, batch: BatchShape) -> P
 # Data
 
 
+def tokenized_split(tokenizer: Tokenizer, pairs: list[tuple[str, str]], max_length: int
+                    ) -> tuple[data.TokenCache, np.ndarray]:
+    """A split's pairs tokenized, and the indices of those within max_length (the pairs an eval loss reads)."""
+    cache = data.TokenCache.tokenize(tokenizer, pairs)
+    return cache, data.LengthFilter.of(cache, max_length).kept
+
+
+def eval_loss(evaluate, params, cache: data.TokenCache, kept: np.ndarray, data_config: data.DataConfig, rows: int,
+              batch_sharding) -> dict[str, float]:
+    """The eval step over the pairs `kept` of a cache, packed as training packs them, summed and summarized:
+    loss, accuracy, perplexity, target tokens (and a mixture of experts' router stats)."""
+    batches = data.eval_batches(cache, kept, max_length=data_config.max_length, rows_per_batch=rows,
+                                pack=data_config.pack)
+    summary = summarize(jax.device_get([evaluate(params, sharding.place_batch(batch, batch_sharding))
+                                        for batch in batches]))
+    keys = ("loss", "accuracy", "perplexity", "target_tokens") + tuple(k for k in ROUTER_STATS if k in summary)
+    return {key: summary[key] for key in keys}
+
+
 @dataclasses.dataclass
 class Corpus:
     tokenizer: Tokenizer
@@ -544,16 +563,11 @@ class Run:
             cache, kept = self.corpus.valid, self.corpus.valid_kept
         else:
             if split not in self.eval_caches:
-                tokens = data.TokenCache.tokenize(self.corpus.tokenizer, self.corpus.pairs[split])
-                self.eval_caches[split] = tokens, data.LengthFilter.of(tokens, self.settings.data.max_length).kept
+                self.eval_caches[split] = tokenized_split(self.corpus.tokenizer, self.corpus.pairs[split],
+                                                          self.settings.data.max_length)
             cache, kept = self.eval_caches[split]
-        batches = data.eval_batches(cache, kept, max_length=self.settings.data.max_length,
-                                    rows_per_batch=self.batch.rows, pack=self.settings.data.pack)
-        params = self.state.params if params is None else params
-        outputs = [evaluate(params, sharding.place_batch(batch, self.batch_sharding)) for batch in batches]
-        summary = summarize(jax.device_get(outputs))
-        keys = ("loss", "accuracy", "perplexity", "target_tokens") + tuple(k for k in ROUTER_STATS if k in summary)
-        return {key: summary[key] for key in keys}
+        return eval_loss(evaluate, self.state.params if params is None else params, cache, kept,
+                         self.settings.data, self.batch.rows, self.batch_sharding)
 
     def evaluate_bleu(self, search, splits: list[str], params=None, prefix: str = "") -> dict[str, dict[str, Any]]:
         scores, params = {}, self.state.params if params is None else params
@@ -1113,20 +1127,16 @@ class Restored:
     def masked_scores(self, pairs: list[tuple[str, str]]) -> dict[str, float]:
         """An encoder_only model's scores on sentence pairs, as its run's evaluation computes them: masked-token
         loss, accuracy and perplexity over the pairs within data.max_length, masked by steps.eval_mask_key (the
-        same tokens as training's evaluation of the same split masked, batched the same way)."""
+        same tokens as training's evaluation of the same split masked, in batches of the rows the run's plan gives
+        this mesh)."""
         max_length = self.settings.data.max_length
-        cache = data.TokenCache.tokenize(self.tokenizer, pairs)
-        kept = data.LengthFilter.of(cache, max_length).kept
+        cache, kept = tokenized_split(self.tokenizer, pairs, max_length)
         if not len(kept):
             raise data.DataError(f"every pair is longer than data.max_length={max_length} tokens")
-        ways = jax.device_count()  # a multiple of every batch axis's size
-        rows = -(-max(self.settings.data.tokens_per_batch // max_length, 1) // ways) * ways
+        rows = plan_batch(self.settings.data, batch_ways(self.settings, self.mesh.shape))[0].rows
         evaluate = jax.jit(functools.partial(eval_step, graphdef=self.graphdef,
                                              label_smoothing=self.settings.train.label_smoothing))
-        batches = data.eval_batches(cache, kept, max_length=max_length, rows_per_batch=rows,
-                                    pack=self.settings.data.pack)
-        summary = summarize(jax.device_get([evaluate(self.params, sharding.place_batch(batch, self.batch_sharding))
-                                            for batch in batches]))
+        summary = eval_loss(evaluate, self.params, cache, kept, self.settings.data, rows, self.batch_sharding)
         return {"loss": summary["loss"], "accuracy": summary["accuracy"], "perplexity": summary["perplexity"],
                 "masked_tokens": summary["target_tokens"], "pairs": len(kept), "pairs_too_long": len(pairs) - len(kept)}
 
