@@ -97,7 +97,7 @@ def test_cudnn_on_cpu_and_attention_dropout_outside_the_reference_fail_clearly()
         ModelConfig(vocab_size=40, attention="xla", attention_dropout_rate=0.1)
 
 
-@pytest.mark.parametrize("rng_impl", ["threefry2x32", "counter_hash"])
+@pytest.mark.parametrize("rng_impl", [pytest.param("threefry2x32", marks=pytest.mark.slow), "counter_hash"])
 def test_remat_gives_the_same_loss_and_gradients(rng_impl):
     config = ModelConfig(vocab_size=40, emb_dim=32, num_heads=4, num_encoder_layers=2, num_decoder_layers=2,
                          mlp_dim=64, dropout_rate=0.1)

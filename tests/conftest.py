@@ -25,6 +25,11 @@ if "TRANSFORMER_TESTS_DIR" not in os.environ:  # the first pytest process of the
     os.environ["TRANSFORMER_CACHE_DIR"] = os.path.join(_SESSION_DIR, "cache")
 # The tiny steps compile in well under the default 1 s threshold, so without this little would be cached.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# LLVM's optimisation of the CPU code is much of a tiny step's compile time, and the tests run each step a few
+# times: unoptimised codegen takes ~20% off the CPU time of tests/decode_test.py. XLA's own HLO passes still run,
+# so the programs tested are the ones users run. Subprocesses that set XLA_FLAGS themselves compile as usual.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 
 def pytest_unconfigure(config):
@@ -55,3 +60,14 @@ def drawn(monkeypatch):
             yield pair
     monkeypatch.setattr(corpus, "iter_builtin_split", counted)
     return counts
+
+
+# The files that take longest (mostly subprocesses: 8 fake devices, whole train.py runs) go first: pytest-xdist hands
+# out whole files in collection order, and one of them started last keeps a worker busy after the other is done.
+LONGEST_FIRST = ("sharding_test.py", "sweep_test.py", "startup_test.py", "families_test.py", "decode_cli_test.py",
+                 "preemption_test.py", "decode_devices_test.py", "train_test.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.basename(str(item.path)), len(rank)))  # stable: files keep their order

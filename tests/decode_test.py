@@ -135,7 +135,8 @@ def tiny_model():
     return build(4, 0)
 
 
-@pytest.mark.parametrize("alpha, penalty", [(0.0, "gnmt"), (0.6, "gnmt"), (3.0, "gnmt"), (1.5, "fairseq")])
+@pytest.mark.parametrize("alpha, penalty", [pytest.param(0.0, "gnmt", marks=pytest.mark.slow), (0.6, "gnmt"),
+                                            pytest.param(3.0, "gnmt", marks=pytest.mark.slow), (1.5, "fairseq")])
 def test_beam_search_equals_exhaustive_search(tiny_model, alpha, penalty):
     """With early stopping on: stopping on a wrong bound of what live beams can reach would miss outputs."""
     graphdef, params = tiny_model

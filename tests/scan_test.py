@@ -120,6 +120,7 @@ def test_dropout_draws_a_key_per_layer():
     assert np.abs(scanned(model, jax.random.key(8)) - out).max() > 1e-2
 
 
+@pytest.mark.slow  # two traces of deep stacks: ~10 s
 def test_the_traced_train_step_does_not_grow_with_depth():
     """The jaxpr of the scanned step has as many equations at 2 layers as at 6 (the per-layer one grows)."""
     def equations(layers, scan):

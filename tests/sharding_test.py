@@ -88,6 +88,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # its own 8-device process; the per-layer model is born sharded in the default suite
 def test_a_scanned_models_state_is_born_sharded_on_8_devices():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))

@@ -303,6 +303,7 @@ def test_the_best_checkpoint_is_chosen_by_dev_bleu(trained_workdir):
         assert result.returncode != 0 and "--best chooses one checkpoint" in result.stderr, result.stderr[-2000:]
 
 
+@pytest.mark.slow  # matplotlib and a decode of its own: ~10 s
 def test_the_plot_script_writes_pngs_of_attention_rows_that_sum_to_one(trained_workdir, tmp_path):
     workdir, _ = trained_workdir
     script = load_script("plot_attention")
