@@ -375,6 +375,10 @@ def main(argv):
     config = flags.FLAGS.config
     with config.unlocked():
         sizes = apply_shape(config, flags.FLAGS.shape)
+        if config.data.source == "text" and not config.data.text_dir:
+            # No mode reads data (the batches are synthetic, the vocabulary is --vocab_size), so a config that
+            # reads a local folder benchmarks without one; its batch and lengths are unchanged.
+            config.data.source = "builtin"
     if flags.FLAGS.mode == "decode":
         if flags.FLAGS.compare_recompute:
             raise app.UsageError("--compare_recompute: recomputing cross-attention keys/values is no longer part of "

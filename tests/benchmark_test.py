@@ -19,6 +19,7 @@ def test_the_train_benchmark_reports_median_step_tokens_per_second_and_mfu(tmp_p
     output = tmp_path / "bench.jsonl"
     model = {"emb_dim": 32, "num_heads": 4, "mlp_dim": 64, "num_encoder_layers": 1, "num_decoder_layers": 2}
     command = [sys.executable, os.path.join(ROOT, "scripts", "benchmark.py"), "--mode=train", "--nohugepages",
+               "--config=configs/multi30k.py",  # a config that reads a local folder, given none: no data is read
                "--batch=4", "--source_length=10", "--target_length=6", "--vocab_size=64", "--steps=3", "--warmup=1",
                "--peak_size=256", f"--output={output}", *[f"--config.model.{k}={v}" for k, v in model.items()]]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
