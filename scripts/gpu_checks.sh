@@ -1,13 +1,15 @@
 #!/bin/bash
 # The GPU checks as one prepared script, sized for one call of the device tool's H200
-# (about 8 minutes with compilation; every step has its own time limit, and all of them end by
+# (meant for about 8 minutes with compilation, not yet run on a GPU; every step has its own time limit, and all end by
 # GPU_CHECKS_SECONDS, 540 by default, inside the tool's 600 s per command):
 #   1. the imports, and the attention implementations agree on the GPU (cudnn flash attention against the
 #      reference in bf16; the float32 tests at full matmul precision, not TF32);
 #   2. training-step throughput and MFU of 'base' in bfloat16 at ~25k target tokens per step (96 rows x 256
 #      source x 256 target tokens, vocab 32000), attention cudnn and then xla;
 #   3. beam-4 decoding of 3,003 sentences (newstest2014's size) with a base-size model;
-#   4. the same training steps for 'big'.
+#   4. the same training step of 'base' as a decoder-only model (14 layers: the parameters of 6 + 6), as a masked
+#      LM (6 encoder layers) and with 8 experts (top-2, every other layer), xla attention, each once;
+#   5. the same training steps for 'big'.
 # Results: $OUT/gpu_checks.jsonl (one JSON line per benchmark) and $OUT/gpu_checks.log.
 #
 # On the device machine (no network): carry wheels of what its image lacks, made here once with
@@ -73,5 +75,17 @@ JAX_DEFAULT_MATMUL_PRECISION=highest step 120 "attention implementations agree" 
 train base
 step 150 "decode base, beam 4" python3 scripts/benchmark.py --mode=decode --config=configs/base.py \
   --compare_recompute=false "${DECODE[@]}" --output="$JSONL"
+variant() {  # variant TITLE OVERRIDES...: base's training step with model overrides, bfloat16, xla attention
+  local title=$1
+  shift
+  step 120 "train base as $title" python3 scripts/benchmark.py --mode=train --config=configs/base.py \
+    --config.model.dtype=bfloat16 --config.model.attention=xla "${TRAIN[@]}" "$@" --output="$JSONL"
+}
+LAYERS=14 && [ "${GPU_CHECKS_SMOKE:-0}" = 1 ] && LAYERS=2
+variant decoder_only --config.model.family=decoder_only --config.model.num_encoder_layers=0 \
+  --config.model.num_decoder_layers=$LAYERS
+variant encoder_only --config.model.family=encoder_only --config.model.num_decoder_layers=0 \
+  --config.train.bleu_every_steps=0 --config.train.keep_best_checkpoint=false  # a masked LM has no BLEU
+variant "8 experts top-2" --config.model.num_experts=8 --config.model.experts_per_token=2 --config.model.expert_every=2
 [ "${GPU_CHECKS_SMOKE:-0}" = 1 ] || train big  # the plumbing of 'big' is the same as base's
 echo "== done $(date -u +%H:%M:%S)" | tee -a "$LOG"
