@@ -27,7 +27,8 @@ if "TRANSFORMER_TESTS_DIR" not in os.environ:  # the first pytest process of the
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # LLVM's optimisation of the CPU code is much of a tiny step's compile time, and the tests run each step a few
 # times: unoptimised codegen takes ~20% off the CPU time of tests/decode_test.py. XLA's own HLO passes still run,
-# so the programs tested are the ones users run. Subprocesses that set XLA_FLAGS themselves compile as usual.
+# so the HLO tested is what users run, only compiled to less optimised machine code. Subprocesses that set
+# XLA_FLAGS themselves compile as usual.
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
