@@ -2,158 +2,19 @@
 
     python train.py --workdir=runs/demo
 
-Every setting of the project is here with its default; the other configs start from this one and override.
-Override any field from the command line: --config.model.num_encoder_layers=2 (an unknown key fails at once).
+The quick start is the project's defaults as they are: transformer/defaults.py holds every setting with its
+default and meaning. The other configs start from this one and override. Override any field from the command
+line: --config.model.num_encoder_layers=2 (an unknown key fails at once).
 """
 
 import ml_collections
 
-from transformer import sweep
+from transformer import defaults, sweep
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = ml_collections.ConfigDict()  # the one schema of defaults: transformer/'s dataclasses take theirs from here
-    config.seed = 0  # one seed for parameters, dropout (fold_in(seed, step)) and data order
+    return defaults.get_config()
 
-    config.data = data = ml_collections.ConfigDict()
-    data.source = "builtin"  # builtin (synthetic, no download) | text (local files) | tfds (TFDS dataset)
-    data.source_lang = "en"  # translate from this language...
-    data.target_lang = "es"  # ...into this one
-    data.builtin_seed = 0  # seed of the built-in corpus generator
-    data.builtin_train_size = 100_000  # sentence pairs in the built-in train split
-    data.builtin_valid_size = 1_000  # ... valid split
-    data.builtin_test_size = 1_000  # ... test split
-    data.text_dir = ""  # source=text: folder with {split}.{lang} files (one sentence per line, .gz allowed)
-    data.tfds_name = ""  # source=tfds: dataset/config, e.g. wmt14_translate/de-en
-    data.tfds_data_dir = ""  # source=tfds: where the prepared dataset lives (TFDS's default when empty)
-    data.train_split = "train"  # tfds split name, or text file prefix, of the training data
-    data.valid_split = "valid"  # ... of the dev set (eval loss, BLEU, checkpoint choice)
-    data.test_split = "test"  # ... of the test set (BLEU only; never used for selection)
-    data.vocab_path = ""  # an existing sentencepiece model; empty: train one on the train split into the workdir
-    data.vocab_size = 1000  # size of the joint source+target sentencepiece vocabulary
-    data.vocab_model_type = "unigram"  # sentencepiece's unigram LM | bpe (byte-pair merges, the paper's kind)
-    data.vocab_character_coverage = 1.0  # sentencepiece character_coverage
-    data.vocab_max_sentences = 1_000_000  # sentences sampled (seeded) from the whole train split for the vocabulary
-    data.vocab_max_characters = 0  # ... and at most this many characters of them (0: no limit)
-    data.max_length = 64  # tokens per packed row; training pairs longer than this on either side are dropped
-    data.tokens_per_batch = 2048  # token budget per step and side (all processes): rows = tokens_per_batch // max_length
-    data.pack = True  # several pairs per row (segments never see each other); false: one pair per row
-    data.num_workers = 0  # grain worker processes that tokenize the train split and pack batches (0: in-process)
-    data.local_cache_dir = ""  # a gs:// workdir's local copies (token cache, vocabulary); empty: ~/.cache/transformer
-
-    config.model = model = ml_collections.ConfigDict()
-    # The family built from the paper's layers (docs/families.md): encoder_decoder (the paper's) | decoder_only (a
-    # language model over `source <sep> target`, loss on the target: set num_encoder_layers=0) | encoder_only (a
-    # masked language model, no BLEU: set num_decoder_layers=0)
-    model.family = "encoder_decoder"
-    model.prefix_lm = True  # decoder_only: the source prefix attends bidirectionally to itself (false: causal too)
-    model.masked_side = "source"  # encoder_only reads and masks: source | target | both (the pair joined, as XLM's TLM)
-    model.mask_rate = 0.15  # encoder_only: the share of tokens masked, of which 80% -> <mask>, 10% random, 10% kept
-    model.emb_dim = 128  # d_model
-    model.num_heads = 4  # h (must divide emb_dim)
-    model.num_encoder_layers = 3  # N of the encoder
-    model.num_decoder_layers = 3  # N of the decoder
-    model.mlp_dim = 512  # d_ff of the position-wise feed-forward
-    # P_drop on embeddings and sublayer outputs: the paper's 0.1 in base.py; 0 here, where each pair is seen ~once
-    model.dropout_rate = 0.0
-    model.attention_dropout_rate = 0.0  # dropout on attention weights
-    model.relu_dropout_rate = 0.0  # dropout after the feed-forward ReLU
-    model.positional_encoding = "sinusoidal"  # sinusoidal (paper) | learned
-    model.max_length = 256  # positions of the learned table (unused by sinusoids)
-    model.layer_norm = "post"  # post (paper: LayerNorm(x + sublayer(x))) | pre (with a final norm per stack)
-    model.layer_norm_epsilon = 1e-6  # LayerNorm epsilon
-    model.share_embeddings = True  # one embedding for source and target (needs the joint vocabulary)
-    model.tie_output_embedding = True  # pre-softmax projection = target embedding transposed
-    model.dtype = "float32"  # compute dtype of the matmuls: float32 | bfloat16 (parameters stay float32)
-    model.attention = "reference"  # reference (ours, any backend) | xla | cudnn (flash attention, GPU + bfloat16)
-    # The attention of each kind of sublayer (docs/attention.md): dense (the paper's) | local (the keys within
-    # model.local_window positions: the paper's restricted self-attention) | linformer (keys and values projected
-    # along the length to model.linformer_length rows) | performer (softmax estimated by model.performer_features
-    # positive random features: linear in the length). linformer and performer take one sentence per row:
-    # data.pack=false
-    model.encoder_attention = "dense"  # dense | local | linformer | performer
-    model.decoder_attention = "dense"  # dense | local (itself and the window's r positions before it) | performer
-    model.cross_attention = "dense"  # dense | performer
-    model.local_window = 16  # r of local attention: keys at distance <= r (a decoding cache of r + 1 positions)
-    model.linformer_length = 32  # k of linformer: the projected length (inputs up to model.max_length tokens)
-    model.performer_features = 256  # m of performer: random features, drawn from config.seed (a state of m x d_k)
-    # Mixture of experts (docs/moe.md): the feed-forward of every expert_every-th layer of each stack becomes
-    # num_experts feed-forwards, each token routed to its experts_per_token best (top-k token choice) within the
-    # capacity of each expert; the load-balancing and router z-losses join the training loss.
-    model.num_experts = 0  # 0: the paper's one feed-forward in every layer
-    model.expert_every = 2  # layers expert_every - 1, 2 expert_every - 1, ... of each stack (2: every other, GShard)
-    model.experts_per_token = 2  # top-k routing: 1 (Switch) | 2 (GShard)
-    model.capacity_factor = 1.25  # each expert takes capacity_factor x k x row tokens / num_experts per row
-    model.eval_capacity_factor = 2.0  # the same in evaluation and decoding (0: no limit, no token dropped)
-    model.router_balance_weight = 0.01  # weight of the load-balancing loss (1.0 when balanced; Switch's alpha)
-    model.router_z_weight = 0.001  # weight of the router z-loss, mean squared logsumexp of the router (ST-MoE)
-    model.remat = False  # recompute each layer in the backward pass: less activation memory, ~1/3 more compute
-    model.scan_layers = False  # one lax.scan per stack, params [layers, ...]: compile time flat in depth (another layout)
-    model.init_std = 0.0  # 0: lecun-normal kernels, N(0, d^-0.5) embeddings; > 0: all N(0, init_std) (Marian: 0.02)
-
-    config.optimizer = optimizer = ml_collections.ConfigDict()
-    optimizer.learning_rate_scale = 0.5  # lr = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
-    optimizer.warmup_steps = 200  # warmup_steps of the schedule
-    optimizer.decay = "rsqrt"  # after the warmup: rsqrt (the paper) | constant (a warmup-stable-decay with cooldown)
-    optimizer.adam_b1 = 0.9  # Adam beta1
-    optimizer.adam_b2 = 0.98  # Adam beta2
-    optimizer.adam_eps = 1e-9  # Adam epsilon
-    optimizer.grad_clip_norm = 0.0  # clip gradients to this global norm; 0 = no clipping (the paper's choice)
-    optimizer.cooldown_fraction = 0.0  # decay the lr linearly toward 0 over this last fraction of the run (of
-    # num_train_steps, or of train.max_train_minutes when that begins first); 0 = the paper's schedule to the end
-
-    config.train = train = ml_collections.ConfigDict()
-    train.num_train_steps = 750  # optimizer updates
-    train.label_smoothing = 0.1  # epsilon_ls
-    train.log_every_steps = 50  # fetch and log training metrics every N steps (the only host sync)
-    train.eval_every_steps = 250  # eval loss / accuracy / perplexity on the valid split
-    train.bleu_every_steps = 0  # decode and score BLEU during training every N steps (0: only at the end)
-    train.checkpoint_every_steps = 250  # save a checkpoint every N steps (and always at the end)
-    train.keep_checkpoints = 3  # keep the last K train states (decode.average_last keeps params snapshots of its own)
-    train.checkpoint_every_minutes = 0.0  # also save at the first log step this many training minutes after a save
-    train.async_checkpointing = True  # save in the background while training goes on
-    train.keep_best_checkpoint = False  # also keep the best-dev-BLEU checkpoint in workdir/best_checkpoint (valid only)
-    train.max_train_minutes = 0.0  # a CPU/GPU-time budget: stop after this many minutes of training (0: none)
-    train.report_minutes = ""  # e.g. "20": at these training minutes also score the averaged last checkpoints
-    train.num_microbatches = 1  # gradient accumulation: split each batch into N sequential slices, one update
-    train.compilation_cache_dir = ""  # JAX's persistent compilation cache ("": workdir/compilation_cache; "none": off)
-    train.dropout_rng = "counter_hash"  # counter_hash (cheapest) or threefry2x32: same masks on any mesh; rbg | unsafe_rbg
-    # A step whose loss or gradient norm is not finite is caught at the next log or checkpoint step, before any save:
-    # "stop" ends the run naming the step and the last good checkpoint; "skip" leaves such updates out and logs them.
-    train.nonfinite = "stop"
-    train.debug_nans = False  # jax_debug_nans: re-runs the step op by op at the first NaN to name its source (slow)
-    train.wandb_project = ""  # also log to this Weights & Biases project (pip install -e ".[wandb]")
-    train.profile_steps = ""  # "N-M": a profiler trace of steps N to M in workdir/profile (TensorBoard, Perfetto)
-
-    # Devices: a mesh of (data, fsdp, expert, tensor); one size may be -1 (the remaining devices). Logical axis names
-    # of the parameters map to mesh axes by `rules` (transformer/sharding.py): `name=axis[+axis], ...`.
-    config.mesh = mesh = ml_collections.ConfigDict()
-    mesh.data = -1  # data parallelism (parameters replicated)
-    mesh.fsdp = 1  # fully sharded data parallelism (parameters and optimizer state split along `embed`)
-    mesh.tensor = 1  # tensor parallelism (`mlp`, `heads`, `vocab` split)
-    mesh.expert = 1  # expert parallelism: a mixture of experts' experts split, the batch too (model.num_experts)
-    # logical axis -> mesh axes; `layers` (model.scan_layers' stacked axis) stays whole: a scan reads every layer
-    mesh.rules = "batch=data+fsdp+expert, embed=fsdp, mlp=tensor, heads=tensor, vocab=tensor, expert=expert, layers=none"
-
-    config.decode = decode = ml_collections.ConfigDict()
-    decode.batch_size = 256  # sentences per decoding batch
-    decode.max_extra_length = 50  # output may be up to input length + this many tokens (the paper's +50)
-    decode.bleu_splits = "valid,test"  # comma-separated splits decoded and scored at the end of training
-    decode.beam_size = 1  # 1 = greedy search (fast; the quick start's choice); base/big use the paper's 4
-    decode.alpha = 0.6  # length penalty exponent of beam search (the paper's 0.6 with gnmt's form)
-    decode.length_penalty = "gnmt"  # beam scores log P / lp: gnmt ((5 + length) / 6)^alpha | fairseq length^alpha
-    decode.early_stopping = True  # a sentence stops once no live beam can beat its finished ones
-    decode.temperature = 0.0  # > 0: sample from softmax(logits / temperature) instead of searching (research use)
-    decode.top_k = 0  # with temperature > 0: sample among the k most likely tokens only (0 = all)
-    decode.top_p = 0.0  # with temperature > 0: nucleus sampling, the fewest top tokens holding p (0 or 1 = all)
-    decode.average_last = 0  # the run's end, eval.py, translate average the last N checkpoints (0 or 1: none)
-    decode.cache_blocks = 0  # the self-attention cache in N blocks, a step reads only those written so far: faster
-    # steps, longer compilation; outputs do not depend on it. 0: 4 for beam search, 1 for greedy (decode.py)
-    decode.max_input_length = 0  # longer sources are cut to it, EOS kept, still scored (0: data.max_length); never
-    # past a learned position table
-    decode.max_tokens_per_batch = 16384  # sentences x padded source length per decoding batch: long ones come fewer
-    # to a batch, in whole rows per device (0: no budget, decode.batch_size sentences whatever their length)
-    return config
 
 
 # Shared by every point of the example sweep below: the quick start shrunk to 2.5-3 minutes per run on one

@@ -24,7 +24,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from transformer import data, sources  # noqa: E402
+from transformer import data, sources, token_cache  # noqa: E402
 
 flags.DEFINE_string("text_dir", None, "Folder of the corpus.", required=True)
 flags.DEFINE_string("prefix", "europarl-v7-first20k", "File prefix: <prefix>.<lang> in --text_dir.")
@@ -52,7 +52,7 @@ def measure_cache(pairs, tokenizer, workers: int) -> dict:
     directory = os.path.join(FLAGS.workdir, f"cache_w{workers}")
     shutil.rmtree(directory, ignore_errors=True)
     wall, cpu = time.perf_counter(), cpu_seconds()
-    cache = data.TokenCache.build(pairs, tokenizer.path, directory, num_workers=workers)
+    cache = token_cache.TokenCache.build(pairs, tokenizer.path, directory, num_workers=workers)
     wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
     tokens = int(cache.lengths("targets").sum())
     return {"stage": "tokenize into cache", "workers": workers, "pairs": len(pairs), "target_tokens": tokens,
@@ -91,7 +91,7 @@ def main(argv):
     flags.FLAGS.mark_as_parsed()
     os.makedirs(FLAGS.workdir, exist_ok=True)
     base = os.path.join(FLAGS.text_dir, FLAGS.prefix)
-    pairs = sources.read_text_pair(f"{base}.{FLAGS.source_lang}", f"{base}.{FLAGS.target_lang}")
+    pairs = list(sources.iter_text_pair(f"{base}.{FLAGS.source_lang}", f"{base}.{FLAGS.target_lang}"))
     config = data.DataConfig(vocab_size=FLAGS.vocab_size, max_length=FLAGS.max_length,
                              tokens_per_batch=FLAGS.tokens_per_batch)
     tokenizer = data.load_or_train_tokenizer(config, pairs, FLAGS.workdir, process_index=0)

@@ -6,9 +6,9 @@ import re
 import numpy as np
 import pytest
 
-from transformer import data, sharding
-from transformer.sources import DataError
-from transformer.tokenizer import EOS_ID, Tokenizer, VocabularyError, train_tokenizer
+from transformer import data, sharding, token_cache
+from transformer.errors import DataError, VocabularyError
+from transformer.tokenizer import EOS_ID, Tokenizer, train_tokenizer
 from transformer.workdir import VocabularyMismatchError, fingerprint
 
 
@@ -19,7 +19,7 @@ def write_cache(directory, lengths):
     """A cache where every token of pair i is i + 3 (so a batch tells which pairs it holds), lengths
     [(source, target), ...]."""
     source_lengths, target_lengths = (np.array([pair[side] for pair in lengths]) for side in (0, 1))
-    return data.TokenCache.write(
+    return token_cache.TokenCache.write(
         str(directory), inputs=np.repeat(np.arange(len(lengths)) + 3, source_lengths), inputs_lengths=source_lengths,
         targets=np.repeat(np.arange(len(lengths)) + 3, target_lengths), targets_lengths=target_lengths)
 
@@ -161,9 +161,9 @@ def test_token_cache_matches_the_tokenizer_with_and_without_workers(tokenizer, t
     from absl import flags
     flags.FLAGS.mark_as_parsed()
     pairs = data.read_split(data.DataConfig(builtin_train_size=300), "train")
-    expected = data.TokenCache.tokenize(tokenizer, pairs)  # in memory, as the eval loss's dev set
+    expected = token_cache.TokenCache.tokenize(tokenizer, pairs)  # in memory, as the eval loss's dev set
     for workers in (0, 1):
-        cache = data.TokenCache.build(pairs, tokenizer.path, str(tmp_path / f"w{workers}"), num_workers=workers,
+        cache = token_cache.TokenCache.build(pairs, tokenizer.path, str(tmp_path / f"w{workers}"), num_workers=workers,
                                       chunk_size=64)
         assert len(cache) == len(pairs)
         for index in (0, 63, 64, 299):
@@ -229,20 +229,6 @@ def test_eval_batches_hold_each_kept_pair_once_in_order_with_one_shape(cache):
     assert sorted(order) == kept.tolist()
     lengths = np.array(RANDOM_LENGTHS)[kept]
     assert sum(int((b["targets"] != 0).sum()) for b in batches) == int(lengths[:, 1].sum())
-
-
-def test_decode_batches_are_length_sorted_padded_and_complete():
-    inputs = [np.arange(1, n + 1, dtype=np.int32) for n in (5, 17, 3, 9, 2)]
-    seen = []
-    for indices, batch in data.decode_batches(inputs, batch_size=2):
-        assert batch.shape[0] == 2 and batch.shape[1] in (8, 16, 32)
-        for row, index in zip(batch, indices):
-            if index >= 0:
-                np.testing.assert_array_equal(row[:len(inputs[index])], inputs[index])
-                seen.append(index)
-            else:
-                assert not row.any()
-    assert sorted(seen) == list(range(5))
 
 
 def test_builtin_source_is_deterministic_and_splits_are_disjoint():

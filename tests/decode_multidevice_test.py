@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (run by decode_devices_test.py)")
 
-from transformer import data, decode, sharding  # noqa: E402
+from transformer import decode, sharding  # noqa: E402
 from transformer.model import Transformer  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def test_8_devices_decode_what_one_does_in_input_order(setup):
 def test_each_device_holds_its_own_rows_of_the_outputs(setup):
     tokenizer, params, searches, _ = setup
     batch_sharding = rows_over(jax.devices())
-    [(_, inputs)] = data.decode_batches(tokenizer.encode(decode_setup.sentences(tokenizer)[:8]), 8)
+    [(_, inputs)] = decode.budget_batches(tokenizer.encode(decode_setup.sentences(tokenizer)[:8]), rows=8)
     streams = decode.default_streams(8)
     placed = sharding.place_batch({"inputs": inputs, "streams": np.asarray(streams)}, batch_sharding)
     sequences, _ = searches["beam"].run(params, placed["inputs"], placed["streams"])

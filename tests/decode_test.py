@@ -412,6 +412,21 @@ def test_the_input_bound_is_the_training_length_capped_by_a_learned_position_tab
     assert DecodeConfig(temperature=1.0, top_p=0.9).search_tag == "sample-t1-k0-p0.9-extra50"
 
 
+def test_decode_batches_without_a_budget_are_padded_complete_and_length_sorted():
+    inputs = [np.arange(1, n + 1, dtype=np.int32) for n in (5, 17, 3, 9, 2)]
+    seen = []
+    for indices, batch in budget_batches(inputs, rows=2):
+        assert batch.shape[0] == 2 and batch.shape[1] in (8, 16, 32)
+        for row, index in zip(batch, indices):
+            if index >= 0:
+                np.testing.assert_array_equal(row[:len(inputs[index])], inputs[index])
+                seen.append(index)
+            else:
+                assert not row.any()
+    assert sorted(seen) == list(range(5))
+    assert [len(inputs[i]) for i in seen] == sorted(len(x) for x in inputs)  # shortest first
+
+
 @pytest.mark.parametrize("ways", [1, 2, 4])
 def test_token_budget_batches_hold_fewer_long_sentences_in_whole_rows_per_device(ways):
     lengths = np.random.default_rng(ways).permutation(np.arange(1, 71))  # buckets of 8, 16, 32, 64 and 128

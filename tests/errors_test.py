@@ -12,7 +12,7 @@ import pytest
 from tiny import TINY_OVERRIDES
 
 from transformer import errors
-from transformer.sources import DataError
+from transformer.errors import DataError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # absl's own log lines (Orbax's notices that a directory is opened read-only): not the tools' messages.

@@ -12,7 +12,7 @@ import pytest
 from etils.epath import backend, gpath
 from tiny import make_tiny_config
 
-from transformer import corpus, data, files, metrics, trainer
+from transformer import corpus, data, files, metrics, token_cache, trainer
 from transformer.workdir import WorkdirInUseError, WorkdirLock
 
 
@@ -81,14 +81,14 @@ def test_the_vocabulary_and_token_cache_are_published_and_a_second_host_reads_ne
     assert drawn["train"] > 0
     published = files.list_dir(f"{workdir}/tokens")
     assert published == [os.path.basename(first.train_cache.directory)]
-    assert set(files.list_dir(f"{workdir}/tokens/{published[0]}")) == {*data.CACHE_FILES, data.SOURCE_FILE}
+    assert set(files.list_dir(f"{workdir}/tokens/{published[0]}")) == {*token_cache.CACHE_FILES, token_cache.SOURCE_FILE}
     assert files.read_bytes(f"{workdir}/vocab.model") == open(first.tokenizer.path, "rb").read()
     assert first.tokenizer.path.startswith(str(tmp_path / "host0"))  # sentencepiece opens a local file
     drawn.clear()
     other = trainer.load_corpus(settings_with_cache(tmp_path / "host1"), workdir, ["train", "valid"])
     assert "train" not in drawn  # fetched, not tokenized again
     assert other.train_cache.directory.startswith(str(tmp_path / "host1"))
-    for name in data.CACHE_FILES:
+    for name in token_cache.CACHE_FILES:
         np.testing.assert_array_equal(np.load(os.path.join(other.train_cache.directory, name)),
                                       np.load(os.path.join(first.train_cache.directory, name)))
     np.testing.assert_array_equal(other.train_kept, first.train_kept)

@@ -11,10 +11,10 @@ jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processe
 
 import numpy as np  # noqa: E402
 
-from transformer import data, sharding  # noqa: E402
+from transformer import data, sharding, token_cache  # noqa: E402
 
 shard = data.Shard.of_process()
-cache = data.TokenCache(cache_dir)
+cache = token_cache.TokenCache(cache_dir)
 iterator = iter(data.train_dataset(cache, np.arange(len(cache)), seed=1, max_length=32, rows_per_batch=8,
                                    shard=shard))
 local = next(iterator)

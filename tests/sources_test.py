@@ -17,7 +17,8 @@ import time
 import pytest
 
 from transformer import sources
-from transformer.sources import DataError, read_text_pair, read_tfds
+from transformer.errors import DataError
+from transformer.sources import iter_text_pair, iter_tfds
 
 # --------------------------------------------------------------------------
 # Text files.
@@ -48,7 +49,7 @@ def test_module_import_does_not_import_tfds():
 def test_text_round_trip(tmp_path, suffix):
     source = _write(tmp_path / f"src.en{suffix}", "Hello world.\nGood morning, ä ß €.\n")
     target = _write(tmp_path / f"tgt.de{suffix}", "Hallo Welt.\nGuten Morgen, ä ß €.\n")
-    assert read_text_pair(source, target) == [
+    assert list(iter_text_pair(source, target)) == [
         ("Hello world.", "Hallo Welt."),
         ("Good morning, ä ß €.", "Guten Morgen, ä ß €."),
     ]
@@ -58,36 +59,36 @@ def test_text_gz_and_plain_mixed_and_pathlike(tmp_path):
     source = _write(tmp_path / "src.gz", "a\nb")  # No final newline.
     target = tmp_path / "tgt.txt"
     _write(target, "x\ny\n")
-    assert read_text_pair(source, target) == [("a", "x"), ("b", "y")]
+    assert list(iter_text_pair(source, target)) == [("a", "x"), ("b", "y")]
 
 
 def test_text_strips_whitespace_crlf_and_bom(tmp_path):
     source = _write(tmp_path / "src", "\ufeff  one \r\n\ttwo\t\r\n")
     target = _write(tmp_path / "tgt", "eins\n   zwei  \n")
-    assert read_text_pair(source, target) == [("one", "eins"), ("two", "zwei")]
+    assert list(iter_text_pair(source, target)) == [("one", "eins"), ("two", "zwei")]
 
 
 def test_text_unicode_line_separators_do_not_split_lines(tmp_path):
     # U+2028 and U+0085 are line breaks for str.splitlines but not for corpora.
     source = _write(tmp_path / "src", "a\u2028b\nc\u0085d\n")
     target = _write(tmp_path / "tgt", "x\ny\n")
-    assert read_text_pair(source, target) == [("a\u2028b", "x"), ("c\u0085d", "y")]
+    assert list(iter_text_pair(source, target)) == [("a\u2028b", "x"), ("c\u0085d", "y")]
 
 
 def test_text_skips_pairs_with_an_empty_side(tmp_path):
     source = _write(tmp_path / "src", "a\n\nc\n   \ne\n")
     target = _write(tmp_path / "tgt", "x\ny\n\nw\nv\n")
-    assert read_text_pair(source, target) == [("a", "x"), ("e", "v")]
+    assert list(iter_text_pair(source, target)) == [("a", "x"), ("e", "v")]
 
 
 def test_text_missing_file(tmp_path):
     existing = _write(tmp_path / "tgt", "x\n")
     missing = str(tmp_path / "no_such_file.en")
     with pytest.raises(DataError, match="not found") as error:
-        read_text_pair(missing, existing)
+        list(iter_text_pair(missing, existing))
     assert missing in str(error.value)
     with pytest.raises(DataError, match="not found") as error:
-        read_text_pair(existing, missing + ".gz")
+        list(iter_text_pair(existing, missing + ".gz"))
     assert missing + ".gz" in str(error.value)
 
 
@@ -97,7 +98,7 @@ def test_text_directory_instead_of_file(tmp_path, suffix):
     directory.mkdir()
     existing = _write(tmp_path / "tgt", "x\n")
     with pytest.raises(DataError, match="directory") as error:
-        read_text_pair(str(directory), existing)
+        list(iter_text_pair(str(directory), existing))
     assert str(directory) in str(error.value)
 
 
@@ -109,7 +110,7 @@ def test_text_unreadable_file(tmp_path):
     os.chmod(unreadable, 0)
     existing = _write(tmp_path / "tgt", "x\n")
     with pytest.raises(DataError, match="permission") as error:
-        read_text_pair(unreadable, existing)
+        list(iter_text_pair(unreadable, existing))
     assert unreadable in str(error.value)
 
 
@@ -118,7 +119,7 @@ def test_text_invalid_utf8_names_file_and_line(tmp_path, suffix):
     source = _write(tmp_path / f"src{suffix}", "a\nb\n")
     target = _write(tmp_path / f"tgt{suffix}", b"x\ny\nbad \xff byte\n")
     with pytest.raises(DataError, match="invalid UTF-8") as error:
-        read_text_pair(source, target)
+        list(iter_text_pair(source, target))
     assert f"{target}:3:" in str(error.value)
 
 
@@ -127,7 +128,7 @@ def test_text_not_really_gzip(tmp_path):
     fake_gzip = tmp_path / "tgt.gz"
     fake_gzip.write_bytes(b"plain text, not gzip\n")
     with pytest.raises(DataError, match="cannot read") as error:
-        read_text_pair(source, str(fake_gzip))
+        list(iter_text_pair(source, str(fake_gzip)))
     assert str(fake_gzip) in str(error.value)
 
 
@@ -139,7 +140,7 @@ def test_text_misaligned_files(tmp_path, source_text, target_text, source_count,
     source = _write(tmp_path / "src", source_text)
     target = _write(tmp_path / "tgt", target_text)
     with pytest.raises(DataError, match="different numbers of lines") as error:
-        read_text_pair(source, target)
+        list(iter_text_pair(source, target))
     message = str(error.value)
     assert f"{source_count} lines in {source!r}" in message
     assert f"{target_count} lines in {target!r}" in message
@@ -149,7 +150,7 @@ def test_text_one_empty_file_is_misaligned(tmp_path):
     source = _write(tmp_path / "src", "")
     target = _write(tmp_path / "tgt", "x\n")
     with pytest.raises(DataError, match="0 lines .* but 1 lines"):
-        read_text_pair(source, target)
+        list(iter_text_pair(source, target))
 
 
 @pytest.mark.parametrize("suffix", ["", ".gz"])
@@ -157,7 +158,7 @@ def test_text_empty_files(tmp_path, suffix):
     source = _write(tmp_path / f"src{suffix}", "")
     target = _write(tmp_path / f"tgt{suffix}", "")
     with pytest.raises(DataError, match="empty parallel corpus") as error:
-        read_text_pair(source, target)
+        list(iter_text_pair(source, target))
     assert source in str(error.value) and target in str(error.value)
 
 
@@ -165,7 +166,7 @@ def test_text_all_pairs_empty_on_one_side(tmp_path):
     source = _write(tmp_path / "src", "a\n\n")
     target = _write(tmp_path / "tgt", "\n  y\n")
     with pytest.raises(DataError, match="empty parallel corpus.*all 2 lines"):
-        read_text_pair(source, target)
+        list(iter_text_pair(source, target))
 
 
 
@@ -257,8 +258,8 @@ def test_tfds_registers_wmt_builders(tfds):
                                          ("wmt17_translate/de-en", "test")])
 def test_tfds_mock_wmt(tfds, name, split):
     with tfds.testing.mock_data(num_examples=NUM_MOCK_EXAMPLES):
-        en_de = read_tfds(name, split, source_lang="en", target_lang="de")
-        de_en = read_tfds(name, split, source_lang="de", target_lang="en")
+        en_de = list(iter_tfds(name, split, source_lang="en", target_lang="de"))
+        de_en = list(iter_tfds(name, split, source_lang="de", target_lang="en"))
         raw = tfds.data_source(name, split=split, download=False)
         raw_examples = [raw[index] for index in range(len(raw))]
 
@@ -271,28 +272,28 @@ def test_tfds_mock_wmt(tfds, name, split):
 def test_tfds_mock_unknown_language(tfds):
     with tfds.testing.mock_data(num_examples=2):
         with pytest.raises(DataError, match="'fr'") as error:
-            read_tfds(WMT14, "train", source_lang="fr", target_lang="en")
+            list(iter_tfds(WMT14, "train", source_lang="fr", target_lang="en"))
     assert "['de', 'en']" in str(error.value)
 
 
 def test_tfds_unknown_name(tfds, tmp_path):
     with pytest.raises(DataError, match="unknown TFDS dataset 'wmt14_translat'") as error:
-        read_tfds("wmt14_translat/de-en", "train", source_lang="en", target_lang="de",
-                  data_dir=str(tmp_path))
+        list(iter_tfds("wmt14_translat/de-en", "train", source_lang="en", target_lang="de",
+                  data_dir=str(tmp_path)))
     assert "did you mean 'wmt14_translate'" in str(error.value)
     assert isinstance(error.value.__cause__, tfds.core.DatasetNotFoundError)
 
 
 def test_tfds_unknown_name_without_suggestions(tfds, tmp_path):
     with pytest.raises(DataError, match="unknown TFDS dataset 'qqqqzzzz'") as error:
-        read_tfds("qqqqzzzz", "train", source_lang="en", target_lang="de", data_dir=str(tmp_path))
+        list(iter_tfds("qqqqzzzz", "train", source_lang="en", target_lang="de", data_dir=str(tmp_path)))
     assert "did you mean" not in str(error.value)
 
 
 def test_tfds_unknown_config(tfds, tmp_path):
     with pytest.raises(DataError, match="wmt14_translate/de-fr") as error:
-        read_tfds("wmt14_translate/de-fr", "train", source_lang="de", target_lang="fr",
-                  data_dir=str(tmp_path))
+        list(iter_tfds("wmt14_translate/de-fr", "train", source_lang="de", target_lang="fr",
+                  data_dir=str(tmp_path)))
     assert "de-en" in str(error.value)  # The available configs are listed.
     assert error.value.__cause__ is not None
 
@@ -300,7 +301,7 @@ def test_tfds_unknown_config(tfds, tmp_path):
 def test_tfds_not_prepared_fails_fast_without_downloading(tfds, tmp_path):
     start = time.monotonic()
     with pytest.raises(DataError, match="not prepared") as error:
-        read_tfds(WMT14, "train", source_lang="en", target_lang="de", data_dir=str(tmp_path))
+        list(iter_tfds(WMT14, "train", source_lang="en", target_lang="de", data_dir=str(tmp_path)))
     elapsed = time.monotonic() - start
     message = str(error.value)
     assert str(tmp_path) in message
@@ -311,10 +312,10 @@ def test_tfds_not_prepared_fails_fast_without_downloading(tfds, tmp_path):
 
 
 def test_tfds_real_array_record_data(tiny_data_dir):
-    pairs = read_tfds(
+    pairs = list(iter_tfds(
         "sources_test_translate", "train", source_lang="en", target_lang="de",
         data_dir=tiny_data_dir,
-    )
+    ))
     # TFDS shuffles examples when it prepares a dataset, so compare as sets.
     assert sorted(pairs) == [
         ("Greetings", "Grüße"),
@@ -324,14 +325,14 @@ def test_tfds_real_array_record_data(tiny_data_dir):
 
 
 def test_tfds_real_data_split_slicing(tiny_data_dir):
-    pairs = read_tfds(
+    pairs = list(iter_tfds(
         "sources_test_translate", "train[:2]", source_lang="de", target_lang="en",
         data_dir=tiny_data_dir,
-    )
-    everything = read_tfds(
+    ))
+    everything = list(iter_tfds(
         "sources_test_translate", "train", source_lang="de", target_lang="en",
         data_dir=tiny_data_dir,
-    )
+    ))
     # The first two examples of the prepared (shuffled) split, whichever they
     # are; one example has an empty side and is skipped, so 1 or 2 remain.
     assert 1 <= len(pairs) <= 2
@@ -340,8 +341,8 @@ def test_tfds_real_data_split_slicing(tiny_data_dir):
 
 def test_tfds_real_data_unknown_split(tiny_data_dir):
     with pytest.raises(DataError, match="'bogus'") as error:
-        read_tfds("sources_test_translate", "bogus", source_lang="de", target_lang="en",
-                  data_dir=tiny_data_dir)
+        list(iter_tfds("sources_test_translate", "bogus", source_lang="de", target_lang="en",
+                  data_dir=tiny_data_dir))
     assert error.value.__cause__ is not None
 
 
@@ -349,15 +350,15 @@ def test_tfds_real_data_empty_split(tiny_data_dir):
     # TFDS itself refuses an empty slice ("Paths sequence can not be of 0
     # length"); either way it must be a DataError naming the split.
     with pytest.raises(DataError, match=r"train\[:0\]"):
-        read_tfds("sources_test_translate", "train[:0]", source_lang="de", target_lang="en",
-                  data_dir=tiny_data_dir)
+        list(iter_tfds("sources_test_translate", "train[:0]", source_lang="de", target_lang="en",
+                  data_dir=tiny_data_dir))
 
 
 def test_tfds_real_data_invalid_utf8(tiny_data_dir):
     # The example index depends on TFDS's shuffling, so match any index.
     with pytest.raises(DataError, match=r"split 'test': example \d, language 'de': invalid UTF-8"):
-        read_tfds("sources_test_translate", "test", source_lang="de", target_lang="en",
-                  data_dir=tiny_data_dir)
+        list(iter_tfds("sources_test_translate", "test", source_lang="de", target_lang="en",
+                  data_dir=tiny_data_dir))
 
 
 def test_tfds_fingerprint_names_the_prepared_version_and_split(tiny_data_dir):

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from tiny import make_tiny_config
 
-from transformer import data, trainer
-from transformer.sources import DataError
+from transformer import data, token_cache, trainer
+from transformer.errors import DataError
 
 
-def start(config: data.DataConfig, workdir) -> data.TokenCache:
+def start(config: data.DataConfig, workdir) -> token_cache.TokenCache:
     """What a start of train.py does for the train split (trainer.load_corpus, one process)."""
     with data.split_source(config, "train") as train:
         tokenizer = data.load_or_train_tokenizer(config, train, str(workdir), process_index=0)
@@ -22,7 +22,7 @@ def start(config: data.DataConfig, workdir) -> data.TokenCache:
 
 
 def file_bytes(directory):
-    return {name: open(os.path.join(directory, name), "rb").read() for name in data.CACHE_FILES}
+    return {name: open(os.path.join(directory, name), "rb").read() for name in token_cache.CACHE_FILES}
 
 
 def test_a_restart_reads_neither_the_train_split_nor_trains_a_vocabulary(tmp_path, drawn):
@@ -65,8 +65,8 @@ def test_a_cache_whose_record_disagrees_is_refused_not_used(tmp_path):
     config = data.DataConfig(builtin_train_size=300, vocab_size=200)
     cache = start(config, tmp_path)
     bigger = data.DataConfig(builtin_train_size=301, vocab_size=200)
-    record = data.cache_record(str(tmp_path / "vocab.model"), data.split_fingerprint(bigger, "train"))
-    shutil.copytree(cache.directory, data.cache_directory(str(tmp_path), "train", record))  # a hand-made copy
+    record = token_cache.cache_record(str(tmp_path / "vocab.model"), data.split_fingerprint(bigger, "train"))
+    shutil.copytree(cache.directory, token_cache.cache_directory(str(tmp_path), "train", record))  # a hand-made copy
     with pytest.raises(DataError, match="built from another source [(]size 300 -> 301[)]; delete that folder"):
         start(bigger, tmp_path)
 
@@ -101,7 +101,7 @@ def test_a_text_source_is_matched_by_stat_and_an_edit_rebuilds(tmp_path):
 def old_in_memory_cache(directory, tokenizer, pairs):
     """The cache as TokenCache.build wrote it before it streamed: all chunks concatenated, then np.save."""
     os.makedirs(directory)
-    examples = data.TokenCache.tokenize(tokenizer, pairs)
+    examples = token_cache.TokenCache.tokenize(tokenizer, pairs)
     for side, offsets in (("inputs", "input_offsets"), ("targets", "target_offsets")):
         sequences = [examples[i][side] for i in range(len(examples))]
         tokens = np.concatenate(sequences)
@@ -115,7 +115,7 @@ def test_the_streamed_cache_and_vocabulary_equal_the_in_memory_ones(tmp_path):
     flags.FLAGS.mark_as_parsed()  # grain's workers read absl flags (train.py parses them)
     config = data.DataConfig(builtin_train_size=500, vocab_size=200, source_lang="es", target_lang="en")
     pairs = data.read_split(config, "train")
-    spill = data.PairSpill.write(data.iter_split(config, "train"), str(tmp_path / "spill"), batch_size=64)
+    spill = token_cache.PairSpill.write(data.iter_split(config, "train"), str(tmp_path / "spill"), batch_size=64)
     assert spill[:] == pairs and spill[498:1000] == pairs[498:] and spill[7:3] == []
     assert list(spill.sentences()) == [text for pair in pairs for text in pair]  # "año", "niña": UTF-8 offsets
     from_list = data.load_or_train_tokenizer(config, pairs, str(tmp_path / "list"), process_index=0)
@@ -125,7 +125,7 @@ def test_the_streamed_cache_and_vocabulary_equal_the_in_memory_ones(tmp_path):
     old_in_memory_cache(str(tmp_path / "old"), tokenizer, pairs)
     expected = file_bytes(tmp_path / "old")
     for workers, chunk_size in ((0, 64), (0, 4096), (1, 100)):
-        cache = data.TokenCache.build(spill, tokenizer.path, str(tmp_path / f"w{workers}-{chunk_size}"),
+        cache = token_cache.TokenCache.build(spill, tokenizer.path, str(tmp_path / f"w{workers}-{chunk_size}"),
                                       num_workers=workers, chunk_size=chunk_size)
         assert file_bytes(cache.directory) == expected, (workers, chunk_size)
     spill.remove()

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from transformer import data, files, workdir
-from transformer.sources import DataError
+from transformer.errors import DataError
 from transformer.tokenizer import train_tokenizer
 from transformer.workdir import (VocabularyMismatchError, WorkdirInUseError, WorkdirLock,
                                  WorkdirLockLost)

@@ -40,14 +40,11 @@ from etils import epath
 
 from transformer import errors
 from transformer import files
+from transformer.errors import CheckpointMismatchError
 
 PyTree = Any
 log = logging.getLogger("transformer")  # the trainer's console logger (transformer.metrics sets its handler)
 DAMAGED_MARK = ".damaged-"  # <step>.damaged-<time>: not a step name to Orbax (digits only), so never listed
-
-
-class CheckpointMismatchError(ValueError):
-    """The checkpoint on disk does not fit the model being built."""
 
 
 class CheckpointUnreadableError(errors.ReportedError, RuntimeError):

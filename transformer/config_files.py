@@ -1,4 +1,4 @@
-"""The config files: configs/default.py as the one schema of defaults (`section` gives each typed, validating
+"""The config files: transformer/defaults.py as the one schema of defaults (`section` gives each typed, validating
 dataclass of transformer/ its field defaults from it); where `--config=configs/NAME.py` is found (as given,
 relative to the working directory, else in the `configs` package installed beside `transformer`, so the shipped
 configs work from any directory); and every `--config.a.b=value` override checked against the config's keys, so
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import os
 import re
 import sys
@@ -16,32 +17,32 @@ from typing import Any
 from ml_collections import ConfigDict
 from ml_collections.config_flags import config_flags
 
-import configs
-from transformer import errors
+from transformer import defaults, errors
 
-INSTALLED = os.path.dirname(os.path.abspath(configs.__file__))
+# The shipped configs' folder, found without importing the package: the library reads config files by path, as
+# ml_collections loads them, and never imports one.
+INSTALLED = os.path.dirname(os.path.abspath(importlib.util.find_spec("configs").origin))
 # An override as ml_collections reads it: --config.a.b=v, --config.a.b v, or --noconfig.a.b for a false bool.
 OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=]+)")
 
 
 @functools.lru_cache(maxsize=1)
 def default_values() -> dict[str, Any]:
-    """configs/default.py's settings as plain values, read once."""
-    from configs import default
-    return default.get_config().to_dict()
+    """transformer/defaults.py's settings as plain values, read once."""
+    return defaults.get_config().to_dict()
 
 
 def section(name: str):
     """Decorate the frozen dataclass read from `config.<name>`: its fields take their defaults from
-    configs/default.py, so that defaults are written once, beside their one-line meaning, where users read and
-    override them. A field default.py lacks has none (a required argument, such as model.vocab_size); a key
-    default.py has that the dataclass lacks is an error at import."""
+    transformer/defaults.py, so that defaults are written once, beside their one-line meaning. A field defaults.py
+    lacks has none (a required argument, such as model.vocab_size); a key defaults.py has that the dataclass lacks
+    is an error at import."""
     def decorate(cls):
         values = default_values()[name]
         fields = cls.__dict__.get("__annotations__", {})
         extra = sorted(set(values) - set(fields))
         if extra:
-            raise TypeError(f"configs/default.py sets config.{name}.{extra[0]}, which {cls.__name__} does not have")
+            raise TypeError(f"transformer/defaults.py sets config.{name}.{extra[0]}, which {cls.__name__} does not have")
         for field in fields:
             if field in values:
                 setattr(cls, field, tuple(values[field]) if isinstance(values[field], list) else values[field])

@@ -38,18 +38,30 @@ class ReportedError(Exception):
     `class WorkdirInUseError(errors.ReportedError, RuntimeError)` is reported wherever it is raised."""
 
 
+# The reported errors that several modules raise live here, below every module that raises or reports them, so
+# that this module imports nothing of the package.
+class DataError(ValueError):
+    """Bad input data: the message names the file/line/key/value at fault."""
+
+
+class VocabularyError(ValueError):
+    """The vocabulary cannot be trained or loaded as asked."""
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint on disk does not fit the model being built."""
+
+
 def reported_types() -> tuple[type[BaseException], ...]:
     """The exceptions the entry points print as messages: each is raised with a message naming the file, key,
     step or value at fault, so a traceback tells its user nothing more. Types that bugs raise too (a plain
-    ValueError, KeyError, TypeError) are not here. Imported here, not at the top, so that any module of the
-    package (checkpoint.py for one) can import this one."""
-    from transformer import checkpoint, sources, tokenizer
+    ValueError, KeyError, TypeError) are not here."""
     return (
         ReportedError,  # raised only to be told to the user
         ConfigError,  # a config key or flag the settings refuse, named with its value
-        sources.DataError,  # missing, unreadable or misaligned data, named by file and line
-        tokenizer.VocabularyError,  # a vocabulary whose ids this project cannot use, named by path
-        checkpoint.CheckpointMismatchError,  # a checkpoint of another model shape, named by its first array
+        DataError,  # missing, unreadable or misaligned data, named by file and line
+        VocabularyError,  # a vocabulary whose ids this project cannot use, named by path
+        CheckpointMismatchError,  # a checkpoint of another model shape, named by its first array
         FileNotFoundError,  # a workdir, checkpoint step, config or input file that is not there, named by path
         NotADirectoryError,  # a --workdir that is a file
         FloatingPointError,  # a non-finite training loss, named by its step (the trainer's stop policy)

@@ -1,16 +1,15 @@
 """Readers of parallel text: (source, target) sentence pairs from files or TFDS.
 
-Both readers return a plain Python list of `(source, target)` string pairs, with
-surrounding whitespace stripped and pairs dropped where either side is empty
-(an empty side carries nothing to learn from, and would break length-based
-filtering downstream). `iter_text_pair` and `iter_tfds` give the same pairs as a
-stream, so that a multi-million-pair training split never has to be held in
-Python objects at once; `file_fingerprint` and `tfds_fingerprint` identify a
+Both readers, `iter_text_pair` and `iter_tfds`, stream `(source, target)` string
+pairs, with surrounding whitespace stripped and pairs dropped where either side
+is empty (an empty side carries nothing to learn from, and would break
+length-based filtering downstream), so that a multi-million-pair training split
+never has to be held in Python objects at once; `file_fingerprint` and `tfds_fingerprint` identify a
 source without reading its examples (the token cache is found by them). Bad input raises `DataError`, whose message names the
 file, line, dataset, split, key or value at fault, so that a user can fix the
 data without reading a traceback.
 
-`tensorflow_datasets` is imported lazily inside `read_tfds`: it takes about a
+`tensorflow_datasets` is imported lazily inside `iter_tfds`: it takes about a
 second to import, and most users of this module (tests, text corpora) never
 need it.
 """
@@ -29,6 +28,7 @@ from absl import logging
 from etils import epath
 
 from transformer import files
+from transformer.errors import DataError
 
 # Examples are fetched from a TFDS data source in batches of this many keys:
 # ArrayRecord reads a batch in parallel, which is much faster than one key at a
@@ -43,32 +43,22 @@ _PREPARE_HINT = (
 )
 
 
-class DataError(ValueError):
-    """Bad input data: the message names the file/line/key/value at fault."""
-
-
 # --------------------------------------------------------------------------
 # Line-aligned text files.
 # --------------------------------------------------------------------------
 
 
-def read_text_pair(
+def iter_text_pair(
     source_path: str | os.PathLike[str], target_path: str | os.PathLike[str]
-) -> list[tuple[str, str]]:
-    """Reads a parallel corpus from two line-aligned text files.
+) -> Iterator[tuple[str, str]]:
+    """Reads a parallel corpus from two line-aligned text files, streamed in
+    constant memory (an error in a late line is raised when it is reached).
 
     Each file holds one sentence per line, encoded as UTF-8 (a leading byte
     order mark is ignored); a path ending in `.gz` is read as gzip. Line `i` of
     the source file translates to line `i` of the target file. Each line is
     stripped of its newline and surrounding whitespace; pairs where either side
-    is then empty are skipped.
-
-    Args:
-      source_path: file of source-language sentences.
-      target_path: file of target-language sentences.
-
-    Returns:
-      The list of (source, target) pairs, in file order.
+    is then empty are skipped. Yields the (source, target) pairs in file order.
 
     Raises:
       DataError: a file is missing or unreadable (a directory, no permission,
@@ -77,14 +67,6 @@ def read_text_pair(
         lines (the message gives both paths and counts); or no pair has text on
         both sides.
     """
-    return list(iter_text_pair(source_path, target_path))
-
-
-def iter_text_pair(
-    source_path: str | os.PathLike[str], target_path: str | os.PathLike[str]
-) -> Iterator[tuple[str, str]]:
-    """The pairs of `read_text_pair`, streamed: the same pairs, order and errors,
-    in constant memory (an error in a late line is raised when it is reached)."""
     source_path, target_path = os.fspath(source_path), os.fspath(target_path)
     with contextlib.ExitStack() as open_files:
         # Open both files before reading either, so that a missing or
@@ -223,49 +205,6 @@ def _decode_lines(path: str, file: Any) -> Iterator[str]:
 # --------------------------------------------------------------------------
 
 
-def read_tfds(
-    name: str,
-    split: str,
-    *,
-    source_lang: str,
-    target_lang: str,
-    data_dir: str | None = None,
-) -> list[tuple[str, str]]:
-    """Reads a prepared TFDS translation dataset as (source, target) pairs.
-
-    The dataset is opened with `tfds.data_source(...)`, TFDS's random-access
-    ArrayRecord reader, which works without TensorFlow. It is never downloaded
-    or generated here (`download=False`): preparing WMT takes hours and needs
-    the network, so it is a separate step (scripts/prepare_wmt.py).
-
-    Each example is a dict keyed by language code, e.g. {'de': ..., 'en': ...};
-    the values are bytes for real data (decoded as UTF-8) and str under
-    `tfds.testing.mock_data`. As in `read_text_pair`, values are stripped and
-    pairs with an empty side are skipped.
-
-    Args:
-      name: TFDS name with config, e.g. 'wmt14_translate/de-en' (a version,
-        ':1.0.0', may be appended).
-      split: any TFDS split string: 'train', 'validation', 'test',
-        'train[:1000]', ...
-      source_lang: language code of the source side, e.g. 'en'.
-      target_lang: language code of the target side, e.g. 'de'.
-      data_dir: TFDS data directory; None means TFDS's default
-        ($TFDS_DATA_DIR or ~/tensorflow_datasets).
-
-    Returns:
-      The list of (source, target) pairs, in dataset order.
-
-    Raises:
-      DataError: unknown dataset name (with close registered names); dataset
-        not prepared in `data_dir`; unknown config or split, or data in a format
-        without random access; a language not among the example's keys; a
-        value that is not valid UTF-8; or no pair with text on both sides. The
-        TFDS exception, where there is one, is kept as `__cause__`.
-    """
-    return list(iter_tfds(name, split, source_lang=source_lang, target_lang=target_lang, data_dir=data_dir))
-
-
 def iter_tfds(
     name: str,
     split: str,
@@ -274,8 +213,21 @@ def iter_tfds(
     target_lang: str,
     data_dir: str | None = None,
 ) -> Iterator[tuple[str, str]]:
-    """The pairs of `read_tfds`, streamed: the same pairs, order and errors, in
-    constant memory (the dataset is opened at the first `next`)."""
+    """Reads a prepared TFDS translation dataset as (source, target) pairs, streamed in dataset order (the
+    dataset is opened at the first `next`).
+
+    `name` has its config, e.g. 'wmt14_translate/de-en' (a version, ':1.0.0', may follow); `split` is any TFDS
+    split string ('train', 'validation', 'train[:1000]'); `data_dir` None means TFDS's default ($TFDS_DATA_DIR or
+    ~/tensorflow_datasets). The dataset is opened with `tfds.data_source(...)`, TFDS's random-access ArrayRecord
+    reader, which works without TensorFlow. It is never downloaded or generated here (`download=False`):
+    preparing WMT takes hours and needs the network (scripts/prepare_wmt.py). Each example is a dict keyed by
+    language code; the values are bytes for real data (decoded as UTF-8) and str under `tfds.testing.mock_data`.
+    As in `iter_text_pair`, values are stripped and pairs with an empty side are skipped.
+
+    Raises DataError: unknown dataset name (with close registered names); dataset not prepared in `data_dir`;
+    unknown config or split, or data without random access; a language not among the example's keys; a value
+    that is not valid UTF-8; or no pair with text on both sides. The TFDS exception is kept as `__cause__`.
+    """
     data_source = _open_data_source(name, split, data_dir)
     where = f"TFDS dataset {name!r} split {split!r}"
     num_pairs = 0

@@ -14,12 +14,10 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import sentencepiece as spm
 
+from transformer.errors import VocabularyError
+
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 VOCAB_MODEL_TYPES = ("unigram", "bpe")  # sentencepiece's two subword models (its char and word are not subwords)
-
-
-class VocabularyError(ValueError):
-    """The vocabulary cannot be trained or loaded as asked."""
 
 
 class Tokenizer:

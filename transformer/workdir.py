@@ -53,9 +53,8 @@ from typing import Any
 
 from etils import epath
 
-from transformer.errors import ReportedError
+from transformer.errors import DataError, ReportedError
 from transformer.files import temporary_path, write_all, exists, is_local, make_dirs, open_file, read_bytes, write_bytes
-from transformer.sources import DataError
 
 LOCK_FILE = "lock.json"
 VOCABULARY_FILE = "vocab.model"
