@@ -53,10 +53,10 @@ def check_args(data_dir: str | None, datasets: list[str]) -> list[str]:
 
 def config_dataset(config_path: str) -> str:
     """The TFDS dataset a training config reads, or a PrepareError when it reads none."""
-    from transformer import config_files, errors, sweep
+    from transformer import config_files, errors, sweep_runner
 
     try:
-        config = sweep.load_config(config_files.find(config_path))
+        config = sweep_runner.load_config(config_files.find(config_path))
     except errors.ConfigError as error:
         raise PrepareError(str(error)) from error
     if config.data.source != "tfds" or not config.data.tfds_name:

@@ -21,7 +21,7 @@ sys.path.insert(0, ROOT)
 
 from absl import app, flags, logging  # noqa: E402
 
-from transformer import sweep  # noqa: E402
+from transformer import sweep, sweep_results, sweep_runner  # noqa: E402
 
 flags.DEFINE_string("config", os.path.join(ROOT, "configs", "default.py"),
                     "Config file, path.py or path.py:argument as for train.py; its get_sweep() is the sweep.")
@@ -47,11 +47,11 @@ def absolute(spec: str | None) -> str | None:
     """path[:argument] with an absolute path, so that commands and SLURM scripts work from anywhere."""
     if spec is None:
         return None
-    path, argument = sweep.split_spec(spec)
+    path, argument = sweep_runner.split_spec(spec)
     return os.path.abspath(path) + (f":{argument}" if argument is not None else "")
 
 
-def select(points: list[sweep.Point], names: list[str] | None) -> list[sweep.Point]:
+def select(points: list[sweep_runner.Point], names: list[str] | None) -> list[sweep_runner.Point]:
     if not names:
         return points
     known = {p.name: p for p in points}
@@ -68,7 +68,7 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)
     try:
         if FLAGS.collect:
-            echo(sweep.write_results(FLAGS.collect, echo=echo), end="")
+            echo(sweep_results.write_results(FLAGS.collect, echo=echo), end="")
             return 0
         if not FLAGS.sweep_dir:
             raise app.UsageError("--sweep_dir is required (or --collect DIR)")
@@ -82,20 +82,20 @@ def main(argv):
 
 
 def run(config_spec: str, sweep_spec: str | None, sweep_dir: str) -> int:
-    points = sweep.make_points(config_spec, sweep.load_sweep(config_spec, sweep_spec))
-    valid = select(sweep.refuse_invalid(points, FLAGS.skip_invalid), FLAGS.only)
+    points = sweep_runner.make_points(config_spec, sweep_runner.load_sweep(config_spec, sweep_spec))
+    valid = select(sweep_runner.refuse_invalid(points, FLAGS.skip_invalid), FLAGS.only)
     for point in points:
         if point.problem:
             echo(f"skipping invalid point {point.name}: {point.problem}")
     if FLAGS.dry_run:
         for point in valid:
-            command = sweep.train_command(config_spec, os.path.join(sweep_dir, point.name), point.overrides)
+            command = sweep_runner.train_command(config_spec, os.path.join(sweep_dir, point.name), point.overrides)
             echo(f"{point.name}\n  {shlex.join(command)}")
         echo(f"{len(valid)} runs valid; nothing was run (--dry_run)")
         return 0
-    sweep.write_manifest(sweep_dir, config_spec, sweep_spec, points)
+    sweep_runner.write_manifest(sweep_dir, config_spec, sweep_spec, points)
     if FLAGS.emit == "slurm":
-        scripts = sweep.emit_slurm(valid, sweep_dir, config_spec, sweep_spec, FLAGS.skip_invalid,
+        scripts = sweep_runner.emit_slurm(valid, sweep_dir, config_spec, sweep_spec, FLAGS.skip_invalid,
                                    FLAGS.slurm_option, FLAGS.slurm_setup, max_running=FLAGS.parallel)
         slurm_dir = os.path.dirname(scripts[0])
         echo(f"wrote {len(scripts)} SLURM scripts in {slurm_dir}; nothing was run. Submit them all with\n"
@@ -103,12 +103,12 @@ def run(config_spec: str, sweep_spec: str | None, sweep_dir: str) -> int:
              f"  python {os.path.relpath(__file__)} --collect {sweep_dir}")
         return 0
     start = time.time()
-    results = sweep.run_points(valid, sweep_dir, config_spec, FLAGS.parallel, echo=echo)
+    results = sweep_runner.run_points(valid, sweep_dir, config_spec, FLAGS.parallel, echo=echo)
     failed = sorted(name for name, code in results.items() if code)
     echo(f"sweep: {len(results)} runs launched, {len(failed)} failed, {len(valid) - len(results)} already done, "
-         f"in {sweep.format_seconds(time.time() - start)}")
+         f"in {sweep_runner.format_seconds(time.time() - start)}")
     if not FLAGS.only:  # each SLURM task runs one point; --collect gathers them once they are through
-        echo(sweep.write_results(sweep_dir, echo=echo), end="")
+        echo(sweep_results.write_results(sweep_dir, echo=echo), end="")
     return 1 if failed else 0
 
 

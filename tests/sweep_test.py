@@ -15,7 +15,7 @@ import time
 
 import pytest
 from tiny import TINY_OVERRIDES
-from transformer import sweep
+from transformer import sweep, sweep_results, sweep_runner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(ROOT, "configs", "default.py")
@@ -48,22 +48,22 @@ def test_product_zip_and_shared_overrides():
 def test_run_names_come_from_the_swept_keys():
     points = sweep.product([{"train.num_train_steps": 400}], sweep.axis("optimizer.warmup_steps", [100, 4000]),
                            sweep.axis("model.dropout_rate", [0.0, 1e-9]))
-    assert sweep.run_names(points) == ["warmup_steps=100,dropout_rate=0", "warmup_steps=100,dropout_rate=1e-09",
+    assert sweep_runner.run_names(points) == ["warmup_steps=100,dropout_rate=0", "warmup_steps=100,dropout_rate=1e-09",
                                        "warmup_steps=4000,dropout_rate=0", "warmup_steps=4000,dropout_rate=1e-09"]
     # A leaf shared by two swept keys keeps its full key; characters unsafe in a path become '_'.
     points = sweep.zip(sweep.axis("data.max_length", [32, 64]), sweep.axis("model.max_length", [32, 64]),
                        sweep.axis("data.text_dir", ["/a b", "/c"]))
-    assert sweep.run_names(points) == ["data.max_length=32,model.max_length=32,text_dir=_a_b",
+    assert sweep_runner.run_names(points) == ["data.max_length=32,model.max_length=32,text_dir=_a_b",
                                        "data.max_length=64,model.max_length=64,text_dir=_c"]
-    assert sweep.run_names([{"model.emb_dim": 64}]) == ["emb_dim=64"] and sweep.run_names([{}]) == ["base"]
-    assert sweep.name_value(0.1 + 0.2) == "0.30000000000000004"  # never rounded into another point's name
+    assert sweep_runner.run_names([{"model.emb_dim": 64}]) == ["emb_dim=64"] and sweep_runner.run_names([{}]) == ["base"]
+    assert sweep_runner.name_value(0.1 + 0.2) == "0.30000000000000004"  # never rounded into another point's name
     with pytest.raises(sweep.SweepError, match="points 0 and 1 have the same name"):
-        sweep.run_names([{"seed": 1}, {"seed": 1}, {"seed": 2}])
+        sweep_runner.run_names([{"seed": 1}, {"seed": 1}, {"seed": 2}])
 
 
 def test_cli_values_parse_back_to_the_same_value():
-    assert [sweep.cli_value(v) for v in (0.1, 1e-9, 4000, True, "pre")] == ["0.1", "1e-09", "4000", "True", "pre"]
-    assert float(sweep.cli_value(0.1 + 0.2)) == 0.1 + 0.2
+    assert [sweep_runner.cli_value(v) for v in (0.1, 1e-9, 4000, True, "pre")] == ["0.1", "1e-09", "4000", "True", "pre"]
+    assert float(sweep_runner.cli_value(0.1 + 0.2)) == 0.1 + 0.2
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -75,7 +75,7 @@ def test_unknown_keys_and_wrong_types_fail_the_whole_sweep_naming_each_run_and_k
               {"train.label_smoothing": "0.1"}, {"train.async_checkpointing": 1}, {"model.emb_dim": True},
               {"nosection.x": 1}, {"model": 3}]
     with pytest.raises(sweep.SweepError) as error:
-        sweep.make_points(DEFAULT, points)
+        sweep_runner.make_points(DEFAULT, points)
     message = str(error.value)
     assert message.startswith("7 bad override(s); nothing was launched")
     for expected in ["run 'dropuot_rate=0.2': unknown key 'model.dropuot_rate'",
@@ -89,12 +89,12 @@ def test_unknown_keys_and_wrong_types_fail_the_whole_sweep_naming_each_run_and_k
         assert expected in message
     assert "dropout_rate=0.1'" not in message  # the valid point is not blamed
     # An int is fine for a float field, and the resolved config carries the values.
-    (point,) = sweep.make_points(DEFAULT, [{"train.label_smoothing": 0, "model.layer_norm": "pre"}])
+    (point,) = sweep_runner.make_points(DEFAULT, [{"train.label_smoothing": 0, "model.layer_norm": "pre"}])
     assert point.config.train.label_smoothing == 0.0 and point.config.model.layer_norm == "pre" and not point.problem
 
 
 def test_a_grid_point_is_invalid_exactly_where_its_heads_do_not_divide_its_width():
-    points = sweep.make_points(BASE, sweep.load_sweep(BASE))
+    points = sweep_runner.make_points(BASE, sweep_runner.load_sweep(BASE))
     invalid = {p.name: p.problem for p in points if p.problem}
     expected = {p.name: f"model config: num_heads={p.config.model.num_heads} must divide "
                         f"emb_dim={p.config.model.emb_dim}"
@@ -102,9 +102,9 @@ def test_a_grid_point_is_invalid_exactly_where_its_heads_do_not_divide_its_width
     assert invalid == expected and 0 < len(invalid) < len(points)  # both kinds, so the check means something
     with pytest.raises(sweep.SweepError, match=rf"{len(invalid)} of {len(points)} points are invalid; nothing was "
                                                "launched") as error:
-        sweep.refuse_invalid(points, skip_invalid=False)
+        sweep_runner.refuse_invalid(points, skip_invalid=False)
     assert all(name in str(error.value) for name in invalid)
-    valid = sweep.refuse_invalid(points, skip_invalid=True)
+    valid = sweep_runner.refuse_invalid(points, skip_invalid=True)
     assert [p.name for p in valid] == [p.name for p in points if p.name not in invalid]
 
 
@@ -117,9 +117,9 @@ def test_every_shipped_sweep_resolves_with_each_points_overrides(config_file):
     """A get_sweep() beside get_config() names only keys the config has, with their types (make_points raises
     otherwise), and each point's config holds its overrides; the example sweep of default.py runs as the docs show
     it, without --skip_invalid."""
-    overrides = sweep.load_sweep(config_file)
-    points = sweep.make_points(config_file, overrides)
-    assert [p.name for p in points] == sweep.run_names(overrides) and len(points) > 1
+    overrides = sweep_runner.load_sweep(config_file)
+    points = sweep_runner.make_points(config_file, overrides)
+    assert [p.name for p in points] == sweep_runner.run_names(overrides) and len(points) > 1
     for point in points:
         for key, value in point.overrides.items():
             node = point.config
@@ -131,7 +131,7 @@ def test_every_shipped_sweep_resolves_with_each_points_overrides(config_file):
 
 
 def test_base_grid_is_refused_without_skip_invalid_and_emitted_for_slurm_with_it(tmp_path):
-    points = sweep.make_points(BASE, sweep.load_sweep(BASE))
+    points = sweep_runner.make_points(BASE, sweep_runner.load_sweep(BASE))
     invalid, valid = [p for p in points if p.problem], [p for p in points if not p.problem]
     result = run_sweep_script(f"--config={BASE}", f"--sweep_dir={tmp_path / 'grid'}", "--parallel=4")
     assert result.returncode == 2
@@ -152,7 +152,7 @@ def test_base_grid_is_refused_without_skip_invalid_and_emitted_for_slurm_with_it
     point = valid[-1]
     script = (slurm / f"{point.name}.sh").read_text()
     assert f"--only={point.name}" in script and "--skip_invalid" in script and "source /venv/bin/activate" in script
-    assert all(f"--config.{key}={sweep.cli_value(value)}" in script for key, value in point.overrides.items())
+    assert all(f"--config.{key}={sweep_runner.cli_value(value)}" in script for key, value in point.overrides.items())
     for path in [*scripts, slurm / "array.sbatch"]:
         assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
     # Nothing ran: no run has a status, a log or a workdir.
@@ -164,17 +164,17 @@ def test_base_grid_is_refused_without_skip_invalid_and_emitted_for_slurm_with_it
 
 
 def test_device_slots_split_gpus_and_pin_cpu_cores():
-    assert [s.env for s in sweep.device_slots(1, gpus=["0", "1"])] == [{}]
-    slots = sweep.device_slots(2, gpus=["0", "1", "2", "3", "4"])
+    assert [s.env for s in sweep_runner.device_slots(1, gpus=["0", "1"])] == [{}]
+    slots = sweep_runner.device_slots(2, gpus=["0", "1", "2", "3", "4"])
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in slots] == ["0,1,2", "3,4"] and slots[0].cpus is None
-    slots = sweep.device_slots(3, gpus=["0", "1"])
+    slots = sweep_runner.device_slots(3, gpus=["0", "1"])
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in slots] == ["0", "1", "0"]
     assert all(s.env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" for s in slots)
-    slots = sweep.device_slots(2, gpus=[], cpus=[0, 1])
+    slots = sweep_runner.device_slots(2, gpus=[], cpus=[0, 1])
     assert [s.cpus for s in slots] == [[0], [1]] and slots[0].env["OMP_NUM_THREADS"] == "1"
     assert "--xla_force_host_platform_device_count=1" in slots[0].env["XLA_FLAGS"]
     assert "--xla_cpu_multi_thread_eigen=false" in slots[0].env["XLA_FLAGS"]
-    slots = sweep.device_slots(2, gpus=[], cpus=list(range(8)))
+    slots = sweep_runner.device_slots(2, gpus=[], cpus=list(range(8)))
     assert [s.cpus for s in slots] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert "multi_thread_eigen" not in slots[0].env["XLA_FLAGS"]
 
@@ -183,22 +183,22 @@ def test_error_line_is_the_exception_of_the_traceback():
     log = ("12:00:01 step 2: loss nan\nTraceback (most recent call last):\n  File \"train.py\", line 3\n"
            "    raise FloatingPointError(...)\nFloatingPointError: non-finite training loss nan at step 2\n"
            "  and a second line of the message\n")
-    assert sweep.error_line(log) == "FloatingPointError: non-finite training loss nan at step 2"
-    assert sweep.error_line("jaxlib._jax.XlaRuntimeError: RESOURCE_EXHAUSTED: out of memory\n").startswith(
+    assert sweep_runner.error_line(log) == "FloatingPointError: non-finite training loss nan at step 2"
+    assert sweep_runner.error_line("jaxlib._jax.XlaRuntimeError: RESOURCE_EXHAUSTED: out of memory\n").startswith(
         "jaxlib._jax.XlaRuntimeError: RESOURCE_EXHAUSTED")
-    assert sweep.error_line("no exception here\nKilled\n") == "Killed"
+    assert sweep_runner.error_line("no exception here\nKilled\n") == "Killed"
     # The entry points print the project's errors as "error: <message>": the message is the error line.
-    assert sweep.error_line("step 2: loss 3.1\nerror: the valid split has no sentence pairs\n") == \
+    assert sweep_runner.error_line("step 2: loss 3.1\nerror: the valid split has no sentence pairs\n") == \
         "the valid split has no sentence pairs"
-    earlier = f"{sweep.ATTEMPT} 1\nValueError: an earlier attempt\n{sweep.ATTEMPT} 2\nstep 3: loss 2.0\nKilled\n"
-    assert sweep.error_line(earlier) == "Killed"
+    earlier = f"{sweep_runner.ATTEMPT} 1\nValueError: an earlier attempt\n{sweep_runner.ATTEMPT} 2\nstep 3: loss 2.0\nKilled\n"
+    assert sweep_runner.error_line(earlier) == "Killed"
 
 
 def fake_run(sweep_dir, name, status=None, scores_step=None, metrics=()):
     workdir = sweep_dir / name
     workdir.mkdir(parents=True)
     if status is not None:
-        (workdir / sweep.STATUS).write_text(json.dumps(status))
+        (workdir / sweep_runner.STATUS).write_text(json.dumps(status))
     if scores_step is not None:
         (workdir / "scores.json").write_text(json.dumps({
             "step": scores_step, "valid": {"loss": 1.5, "perplexity": 4.0}, "bleu": {"valid": {"bleu": 40.0}, "test": {"bleu": 41.0}}}))
@@ -207,7 +207,7 @@ def fake_run(sweep_dir, name, status=None, scores_step=None, metrics=()):
 
 def test_collect_reports_every_status_and_writes_csv_markdown_and_plot(tmp_path):
     runs = ["a=1", "a=2", "a=3", "a=4", "a=5", "a=6"]
-    (tmp_path / sweep.MANIFEST).write_text(json.dumps({"axes": ["model.a"], "runs": [
+    (tmp_path / sweep_runner.MANIFEST).write_text(json.dumps({"axes": ["model.a"], "runs": [
         {"name": name, "overrides": {"model.a": i + 1}, "num_train_steps": 10,
          "invalid": "model config: bad" if name == "a=6" else None} for i, name in enumerate(runs)]}))
     train = [{"step": 5, "split": "train", "loss": 3.0, "target_tokens": 1000, "tokens_per_second": 100.0},
@@ -217,10 +217,10 @@ def test_collect_reports_every_status_and_writes_csv_markdown_and_plot(tmp_path)
     fake_run(tmp_path, "a=1", {"state": "exited", "returncode": 0, "total_wall_seconds": 75.0}, 10, train)
     fake_run(tmp_path, "a=2", {"state": "exited", "returncode": 1, "error": "FloatingPointError: nan"}, None,
              train[:1])
-    fake_run(tmp_path, "a=3", {"state": "running", "pid": os.getpid(), "host": sweep.socket.gethostname(),
+    fake_run(tmp_path, "a=3", {"state": "running", "pid": os.getpid(), "host": sweep_runner.socket.gethostname(),
                                "started": 1.0}, None, train[:1])
-    fake_run(tmp_path, "a=4", {"state": "running", "pid": 2**22 + 12345, "host": sweep.socket.gethostname()})
-    axes, rows, curves = sweep.collect(str(tmp_path))  # a=5 has no workdir: never launched
+    fake_run(tmp_path, "a=4", {"state": "running", "pid": 2**22 + 12345, "host": sweep_runner.socket.gethostname()})
+    axes, rows, curves = sweep_results.collect(str(tmp_path))  # a=5 has no workdir: never launched
     by_name = {row["name"]: row for row in rows}
     assert [row["status"] for row in rows] == ["done", "failed", "running", "stopped", "pending", "invalid"]
     done = by_name["a=1"]
@@ -230,7 +230,7 @@ def test_collect_reports_every_status_and_writes_csv_markdown_and_plot(tmp_path)
     assert by_name["a=3"]["step"] == 5 and by_name["a=3"]["wall_seconds"] > 1e6  # still counting
     assert curves["a=1"]["dev_bleu"] == [(5, 45.0), (10, 40.0)]
 
-    table = sweep.write_results(str(tmp_path), echo=lambda line: None)
+    table = sweep_results.write_results(str(tmp_path), echo=lambda line: None)
     assert "| a=1 | 1 | 40.00 | 45.00 | 41.00 | 2.000 | 1.500 | 10 | 160 | 1m15s | done |" in table
     assert "| failed (exit 1): FloatingPointError: nan |" in table and "| 5/10 |" in table
     assert "| invalid: model config: bad |" in table
@@ -243,12 +243,12 @@ def test_collect_reports_every_status_and_writes_csv_markdown_and_plot(tmp_path)
 
 
 def test_a_run_still_running_on_this_host_is_not_started_twice(tmp_path):
-    (point,) = sweep.make_points(DEFAULT, [{"seed": 1}])
+    (point,) = sweep_runner.make_points(DEFAULT, [{"seed": 1}])
     (tmp_path / point.name).mkdir()
-    (tmp_path / point.name / sweep.STATUS).write_text(json.dumps(
-        {"state": "running", "pid": os.getpid(), "host": sweep.socket.gethostname()}))
+    (tmp_path / point.name / sweep_runner.STATUS).write_text(json.dumps(
+        {"state": "running", "pid": os.getpid(), "host": sweep_runner.socket.gethostname()}))
     lines = []
-    assert sweep.run_points([point], str(tmp_path), DEFAULT, echo=lines.append) == {}
+    assert sweep_runner.run_points([point], str(tmp_path), DEFAULT, echo=lines.append) == {}
     assert lines == [f"skip seed=1: already running as pid {os.getpid()} (another sweep of this directory)"]
 
 
@@ -258,7 +258,7 @@ def test_plot_writes_a_png(tmp_path):
             for x in (1, 2)]
     curves = {row["name"]: {"train_loss": [(1, 4.0), (2, 3.0)], "dev_loss": [(2, 3.5)], "dev_bleu": [(2, 5.0)]}
               for row in rows}
-    sweep.plot(str(tmp_path / "results.png"), ["model.x"], rows, curves)
+    sweep_results.plot(str(tmp_path / "results.png"), ["model.x"], rows, curves)
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -284,7 +284,7 @@ def test_a_tiny_sweep_isolates_a_failure_skips_finished_runs_and_collects(tmp_pa
     sweep_dir = tmp_path / "sweep"
     args = [f"--sweep={sweep_file}", f"--sweep_dir={sweep_dir}", "--parallel=2"]
     leaf = key.rsplit(".", 1)[-1]
-    good, bad = f"{leaf}={sweep.name_value(good_value)}", f"{leaf}={sweep.name_value(bad_value)}"
+    good, bad = f"{leaf}={sweep_runner.name_value(good_value)}", f"{leaf}={sweep_runner.name_value(bad_value)}"
 
     result = run_sweep_script(*args)
     assert result.returncode == 1, result.stderr[-3000:]  # a run failed: the sweep says so, after finishing
@@ -296,14 +296,14 @@ def test_a_tiny_sweep_isolates_a_failure_skips_finished_runs_and_collects(tmp_pa
     for name, value in {**shared, key: good_value}.items():  # the point's own value and every shared one reached it
         section, field = name.split(".")
         assert saved[section][field] == value, name
-    status = json.loads((sweep_dir / bad / sweep.STATUS).read_text())
+    status = json.loads((sweep_dir / bad / sweep_runner.STATUS).read_text())
     assert status["state"] == "exited" and status["returncode"] == 1 and status["slot"] in ("CPU 0", "CPU 1")
-    assert f"error: {error}" in (sweep_dir / bad / sweep.LOG).read_text()  # the run's own one-line message
+    assert f"error: {error}" in (sweep_dir / bad / sweep_runner.LOG).read_text()  # the run's own one-line message
     with open(sweep_dir / "results.csv", newline="") as handle:
         statuses = {r["name"]: (r["status"], r["error"]) for r in csv.DictReader(handle)}
     assert statuses.keys() == {good, bad} and statuses[good] == ("done", "")
     assert statuses[bad][0] == "failed" and statuses[bad][1].startswith(error)  # the run's message, from its start
-    assert f"| {good} | {sweep.name_value(good_value)} |" in (sweep_dir / "results.md").read_text()
+    assert f"| {good} | {sweep_runner.name_value(good_value)} |" in (sweep_dir / "results.md").read_text()
     if importlib.util.find_spec("matplotlib"):
         assert (sweep_dir / "results.png").stat().st_size > 0
 
@@ -337,7 +337,7 @@ def test_a_stopped_sweep_resumes_its_run_from_the_checkpoint(tmp_path):
     sweep_dir = tmp_path / "sweep"
     command = [sys.executable, os.path.join(ROOT, "scripts", "sweep.py"), f"--sweep={sweep_file}",
                f"--sweep_dir={sweep_dir}"]
-    (name,) = sweep.run_names([overrides])
+    (name,) = sweep_runner.run_names([overrides])
     checkpoints = sweep_dir / name / "checkpoints"
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
@@ -347,11 +347,11 @@ def test_a_stopped_sweep_resumes_its_run_from_the_checkpoint(tmp_path):
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130 and "interrupted" in stderr
-    assert json.loads((sweep_dir / name / sweep.STATUS).read_text())["state"] == "stopped"
-    assert sweep.collect(str(sweep_dir))[1][0]["status"] == "stopped"
+    assert json.loads((sweep_dir / name / sweep_runner.STATUS).read_text())["state"] == "stopped"
+    assert sweep_results.collect(str(sweep_dir))[1][0]["status"] == "stopped"
 
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "resumed from" in (sweep_dir / name / sweep.LOG).read_text()
+    assert "resumed from" in (sweep_dir / name / sweep_runner.LOG).read_text()
     assert json.loads((sweep_dir / name / "scores.json").read_text())["step"] == 300
     assert "| done |" in (sweep_dir / "results.md").read_text()
