@@ -32,7 +32,7 @@ from absl import logging
 
 from transformer import config_files, corpus, sources
 from transformer.token_cache import (CACHE_FILES, SOURCE_FILE, PairSpill, TokenCache, cache_directory, cache_record,
-                                     check_cache_record, fetch_cache)
+                                     check_cache_record, fetch_cache, in_worker_processes)
 from transformer.errors import DataError
 from transformer.tokenizer import VOCAB_MODEL_TYPES, Tokenizer, train_tokenizer
 from transformer import files
@@ -527,9 +527,7 @@ def train_dataset(cache: TokenCache, kept: np.ndarray, *, seed: int, max_length:
                        chunk_pairs=chunk_pairs, pack=pack)
     # num_threads=0: chunks are computed from memory; reader threads would only contend for the GIL.
     dataset = grain.MapDataset.range(2**62).map(packer).to_iter_dataset(grain.ReadOptions(num_threads=0))
-    if num_workers:
-        dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
-    return Flatten(dataset)
+    return Flatten(in_worker_processes(dataset, num_workers))
 
 
 def batch_shapes(rows_per_batch: int, max_length: int) -> dict[str, jax.ShapeDtypeStruct]:

@@ -14,6 +14,8 @@ import itertools
 import json
 import os
 import shutil
+import threading
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -115,6 +117,32 @@ class SpillSentences(Sequence):
         return self.spill.texts(PairSpill.SIDES[side], pair, pair + 1)[0]
 
 
+PARENT_POLL_SECONDS = 0.5
+
+
+def in_worker_processes(dataset: grain.IterDataset, num_workers: int) -> grain.IterDataset:
+    """`dataset` computed in `num_workers` grain worker processes (0: in this one) that exit when their parent
+    dies, however it dies: a SIGKILL (an out-of-memory or a scheduler's kill) gives the parent no chance to stop
+    them, and orphaned workers would keep their memory, their CPU and multiprocessing's resource tracker."""
+    if not num_workers:
+        return dataset
+    return dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers),
+                               worker_init_fn=exit_with_parent)
+
+
+def exit_with_parent(worker_index: int, worker_count: int) -> None:
+    """A grain worker's start (worker_init_fn): a daemon thread that ends the worker once its parent process is
+    gone. Polling the parent id rather than PR_SET_PDEATHSIG, which fires when the parent's creating *thread*
+    exits, and grain may start workers from a thread that ends before the run does."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_SECONDS)
+        os._exit(1)  # no cleanup to run: the parent that would read this worker's outputs is gone
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 class TokenizeChunk:
     """pairs -> flat token ids and lengths of each side. Picklable for grain workers: it carries the
     model's path and loads sentencepiece on first use in whichever process runs it."""
@@ -201,8 +229,7 @@ class TokenCache:
         """Tokenize `pairs` (grain, with num_workers processes) and write the cache chunk by chunk."""
         dataset = grain.MapDataset.source(PairChunks(pairs, chunk_size)).map(TokenizeChunk(model_path))
         dataset = dataset.to_iter_dataset(grain.ReadOptions(num_threads=0))
-        if num_workers:
-            dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+        dataset = in_worker_processes(dataset, num_workers)
         with CacheWriter(directory) as writer:
             iterator = iter(dataset)
             try:
