@@ -292,7 +292,7 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
     from flax import nnx
 
     from transformer import decode, trainer
-    from transformer.model import Transformer
+    from transformer.model import build as build_model
 
     batch, source_length = sizes["batch"], sizes["source_length"]
     if new_tokens < source_length:
@@ -303,7 +303,7 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
     settings = trainer.Settings.from_config(config)
     config = settings.model_config(sizes["vocab_size"])
     cache_blocks = decode.cache_blocks_for(settings.decode.cache_blocks, beam_size)
-    graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(build_model(config, rngs=nnx.Rngs(0)))
     params = nnx.to_pure_dict(params)
     inputs = np.random.default_rng(1).integers(3, config.vocab_size, size=(batch, source_length)).astype(np.int32)
     if flags.FLAGS.decode_all_devices:

@@ -56,13 +56,14 @@ def with_kind(config, kind: str, length: int):
     """The config with `kind` in every sublayer where it may go (local: both self-attentions; linformer: the
     encoder's, its projection as long as the row; performer: all three), one sentence per row where the kind
     mixes a row's positions."""
-    from transformer.model import ATTENTION_KINDS, ROW_KINDS
+    from transformer.model import blocks
+    from transformer.model.config import ATTENTION_FIELDS, allowed_kinds
 
     config = config.copy_and_resolve_references()
     with config.unlocked():
-        for field, kinds in ATTENTION_KINDS.items():
-            config.model[field] = kind if kind in kinds else "dense"
-        config.data.pack = kind not in ROW_KINDS
+        for field in ATTENTION_FIELDS:
+            config.model[field] = kind if kind in allowed_kinds(field) else "dense"
+        config.data.pack = not blocks.lookup("self_attention", kind).mixes_row
         if kind == "linformer":
             config.model.max_length = max(config.model.max_length, length)
     return config
@@ -70,17 +71,19 @@ def with_kind(config, kind: str, length: int):
 
 def layer_function(config, kind: str, length: int):
     """forward + backward of the encoder's self-attention sublayer on one row of `length` tokens."""
-    from transformer.model import ModelConfig, MultiHeadAttention, SelfMask
+    from transformer.model import ModelConfig, blocks
+    from transformer.model.masks import SelfMask
 
     model_config = ModelConfig(vocab_size=8, **with_kind(config, kind, length).model.to_dict())
-    module = MultiHeadAttention(model_config, "encoder_attention", rngs=nnx.Rngs(0))
+    module = blocks.lookup("self_attention", kind)(model_config, "encoder_attention", rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(module)
     x = jax.random.normal(jax.random.key(1), (1, length, model_config.emb_dim), model_config.compute_dtype)
     mask = SelfMask(jnp.ones((1, length), jnp.int32))
 
     def loss(params, x):
         layer = nnx.merge(graphdef, params)
-        return jnp.sum(layer(x, *layer.keys_values(x), mask, deterministic=True, rngs=None).astype(jnp.float32))
+        inputs = layer.prepare(blocks.Inputs(self_mask=mask))
+        return jnp.sum(layer(x, inputs, deterministic=True, rngs=None)[0].astype(jnp.float32))
     return jax.jit(jax.grad(loss, argnums=(0, 1))), (params, x)
 
 

@@ -9,7 +9,7 @@ Writes `--output_dir` (default workdir/attention): cross_attention.png, decoder_
 attention.npz (the weights: cross [layers, heads, target, source], decoder_self [layers, heads, target, target]).
 
 The weights come from one teacher-forced pass over the translation, recorded by wrapping
-`transformer.model.dot_product_attention` for that pass: the model itself is unchanged.
+`transformer.model.attention.dot_product_attention` for that pass: the model itself is unchanged.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import numpy as np
 from absl import app, flags, logging
 from flax import nnx
 
-from transformer import decode, model as model_lib, trainer
+from transformer import decode, trainer
+from transformer.model import attention as attention_lib, unstack_layer_params
 
 
 def define_flags() -> None:
@@ -42,7 +43,7 @@ FLAGS = flags.FLAGS
 @contextlib.contextmanager
 def recorded_attention():
     """Every call of dot_product_attention inside appends its weights [batch, heads, q_length, k_length]."""
-    original, weights = model_lib.dot_product_attention, []
+    original, weights = attention_lib.dot_product_attention, []
 
     def recording(query, key, value, mask, dropout, *, deterministic, rngs):
         logits = jnp.einsum("bqhd,bkhd->bhqk", query / jnp.sqrt(query.shape[-1]), key,
@@ -50,11 +51,11 @@ def recorded_attention():
         weights.append(np.asarray(jax.nn.softmax(jnp.where(mask, logits, jnp.finfo(jnp.float32).min), axis=-1)))
         return original(query, key, value, mask, dropout, deterministic=deterministic, rngs=rngs)
 
-    model_lib.dot_product_attention = recording
+    attention_lib.dot_product_attention = recording
     try:
         yield weights
     finally:
-        model_lib.dot_product_attention = original
+        attention_lib.dot_product_attention = original
 
 
 def attention_maps(restored: trainer.Restored, source: str) -> dict:
@@ -67,7 +68,7 @@ def attention_maps(restored: trainer.Restored, source: str) -> dict:
     graphdef, params = restored.graphdef, restored.params
     if restored.model_config.scan_layers:  # the recording needs one attention call per layer, not one scan
         graphdef = trainer.model_graphdef(dataclasses.replace(restored.model_config, scan_layers=False))
-        params = model_lib.unstack_layer_params(params)
+        params = unstack_layer_params(params)
     model = nnx.merge(graphdef, params)
     decoder_inputs = np.concatenate([[0], target_ids[:-1]])[None]
     with recorded_attention() as weights:

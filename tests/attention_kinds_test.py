@@ -26,8 +26,12 @@ from configs import default
 from tiny import decode_incrementally
 from transformer.decode import beam_search, length_penalty
 from transformer.trainer import Settings
-from transformer.model import (ModelConfig, SelfMask, Transformer, attention, causal_sums, feature_exponents,
-                               key_exponents, local_attention, performer_attention, random_features)
+from transformer.model import ModelConfig, build
+from transformer.model.attention import attention
+from transformer.model.local import local_attention, windowed_attention
+from transformer.model.masks import SelfMask
+from transformer.model.performer import (causal_sums, feature_exponents, key_exponents, performer_attention,
+                                         random_features)
 from transformer.tokenizer import EOS_ID
 
 # Rows of 11: two sentences then padding; one filling the row; three short ones (lengths not a multiple of r).
@@ -76,9 +80,9 @@ def test_local_agrees_with_jaxs_local_window_size(causal):
     window: the left and right sizes are not swapped, and the segment mask still applies."""
     query, key, value = operands(2)
     mask = SelfMask(SEGMENTS, causal=causal)
-    kw = dict(deterministic=True, rngs=None, kind="local", window=2)
-    ours = attention("reference", query, key, value, mask, None, **kw)
-    jaxs = attention("xla", query, key, value, mask, None, **kw)
+    kw = dict(deterministic=True, rngs=None)
+    ours = windowed_attention("reference", query, key, value, mask, 2, None, **kw)
+    jaxs = windowed_attention("xla", query, key, value, mask, 2, None, **kw)
     np.testing.assert_allclose(real(jaxs), real(ours), atol=1e-5)
 
 
@@ -97,7 +101,7 @@ DECODER_INPUTS = jnp.array([[0, 11, 12, 13, 14, 15, 16, 17, 1], [0, 15, 16, 1, 0
 
 @pytest.fixture(scope="module")
 def local_model():
-    return Transformer(LOCAL, rngs=nnx.Rngs(0))
+    return build(LOCAL, rngs=nnx.Rngs(0))
 
 
 @nnx.jit
@@ -106,8 +110,8 @@ def apply(model, inputs, decoder_inputs, packing=None):
 
 
 def test_a_local_model_differs_from_the_dense_one_with_the_same_parameters(local_model):
-    dense_model = Transformer(dataclasses.replace(LOCAL, encoder_attention="dense", decoder_attention="dense"),
-                              rngs=nnx.Rngs(0))
+    dense_model = build(dataclasses.replace(LOCAL, encoder_attention="dense", decoder_attention="dense"),
+                        rngs=nnx.Rngs(0))
     difference = np.abs(apply(local_model, INPUTS, DECODER_INPUTS) - apply(dense_model, INPUTS, DECODER_INPUTS))
     assert difference.max() > 1e-2  # the windows are in force (2 positions of 9)
 
@@ -120,7 +124,7 @@ def test_local_cached_decoding_in_a_ring_equals_the_teacher_forced_pass(local_mo
 
     cache = nnx.eval_shape(lambda: local_model.init_cache(local_model.encode(INPUTS), INPUTS, targets.shape[-1],
                                                           hypotheses=hypotheses))
-    assert cache["layers"][0]["key"][0].shape[-1] == 3 * hypotheses  # the ring, not the 9 positions
+    assert cache["layers"][0]["self_attention"]["key"][0].shape[-1] == 3 * hypotheses  # the ring, not the 9 positions
     together = nnx.jit(decode_incrementally)(local_model, INPUTS, targets)
     for hypothesis in range(hypotheses):
         np.testing.assert_allclose(together[:, hypothesis], apply(local_model, INPUTS, targets[:, hypothesis]),
@@ -173,7 +177,7 @@ LINFORMER = dataclasses.replace(LOCAL, encoder_attention="linformer", decoder_at
 
 @pytest.fixture(scope="module")
 def linformer_model():
-    return Transformer(LINFORMER, rngs=nnx.Rngs(0))
+    return build(LINFORMER, rngs=nnx.Rngs(0))
 
 
 def test_linformer_padding_changes_no_real_position(linformer_model):
@@ -286,7 +290,7 @@ PERFORMER = dataclasses.replace(LOCAL, encoder_attention="performer", decoder_at
 
 @pytest.fixture(scope="module")
 def performer_model():
-    return Transformer(PERFORMER, rngs=nnx.Rngs(0))
+    return build(PERFORMER, rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("hypotheses", [pytest.param(1, marks=pytest.mark.slow), 3])  # 3 covers 1's path
@@ -294,7 +298,8 @@ def test_performer_cached_decoding_over_running_sums_equals_the_teacher_forced_p
     targets = jnp.stack([DECODER_INPUTS, DECODER_INPUTS[::-1], DECODER_INPUTS.at[:, 4:].set(7)][:hypotheses], axis=1)
     cache = nnx.eval_shape(lambda: performer_model.init_cache(performer_model.encode(INPUTS), INPUTS, 9,
                                                               hypotheses=hypotheses))
-    assert cache["layers"][0]["state"].shape == (2, hypotheses, 4, 16, 8)  # m x d per head, whatever the length
+    state = cache["layers"][0]["self_attention"]["state"]
+    assert state.shape == (2, hypotheses, 4, 16, 8)  # m x d per head, whatever the length
     together = nnx.jit(decode_incrementally)(performer_model, INPUTS, targets)
     for hypothesis in range(hypotheses):
         np.testing.assert_allclose(together[:, hypothesis], apply(performer_model, INPUTS, targets[:, hypothesis]),
@@ -318,14 +323,14 @@ def test_performer_features_come_from_the_runs_seed_and_nothing_else(performer_m
     another seed; the features are no parameter, so a checkpoint holds the dense model's tree."""
     params = nnx.state(performer_model, nnx.Param)
     def rebuilt(seed):
-        model = Transformer(dataclasses.replace(PERFORMER, seed=seed), rngs=nnx.Rngs(1))
+        model = build(dataclasses.replace(PERFORMER, seed=seed), rngs=nnx.Rngs(1))
         nnx.update(model, params)
         return apply(model, INPUTS, DECODER_INPUTS)
     np.testing.assert_array_equal(rebuilt(0), apply(performer_model, INPUTS, DECODER_INPUTS))
     assert np.abs(rebuilt(1) - rebuilt(0)).max() > 1e-3
-    dense_params = nnx.state(Transformer(dataclasses.replace(PERFORMER, encoder_attention="dense",
-                                                             decoder_attention="dense", cross_attention="dense"),
-                                         rngs=nnx.Rngs(0)), nnx.Param)
+    dense_params = nnx.state(build(dataclasses.replace(PERFORMER, encoder_attention="dense",
+                                                       decoder_attention="dense", cross_attention="dense"),
+                                   rngs=nnx.Rngs(0)), nnx.Param)
     assert jax.tree.structure(params) == jax.tree.structure(dense_params)
 
 

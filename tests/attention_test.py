@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from transformer.model import (ModelConfig, Transformer, attention, attention_mask, head_major_attention,
-                               to_cache_layout)
+from transformer.model import ModelConfig, build
+from transformer.model.attention import attention, head_major_attention, to_cache_layout
+from transformer.model.masks import attention_mask
 from transformer.steps import dropout_rngs
 
 
@@ -55,7 +56,7 @@ def test_the_model_gives_the_same_logits_with_either_implementation():
     decoder_inputs = jnp.array([[0, 13, 14, 15, 0, 0], [0, 16, 17, 18, 19, 20]])
     logits = {}
     for implementation in ("reference", "xla"):
-        model = Transformer(dataclasses.replace(config, attention=implementation), rngs=nnx.Rngs(0))
+        model = build(dataclasses.replace(config, attention=implementation), rngs=nnx.Rngs(0))
         logits[implementation] = model(inputs, decoder_inputs)
     np.testing.assert_allclose(logits["xla"], logits["reference"], atol=1e-4)
 
@@ -80,7 +81,7 @@ def test_the_model_in_bfloat16_gives_the_same_logits_with_cudnn_on_a_gpu():
                          mlp_dim=256, dtype="bfloat16")
     inputs = jnp.array([[5, 6, 7, 1, 0, 0], [8, 9, 10, 11, 12, 1]])
     decoder_inputs = jnp.array([[0, 13, 14, 15, 0, 0], [0, 16, 17, 18, 19, 20]])
-    logits = {name: Transformer(dataclasses.replace(config, attention=name), rngs=nnx.Rngs(0))(inputs, decoder_inputs)
+    logits = {name: build(dataclasses.replace(config, attention=name), rngs=nnx.Rngs(0))(inputs, decoder_inputs)
               for name in ("reference", "cudnn")}
     real = np.asarray(decoder_inputs != 0) | (np.arange(6) == 0)  # position 0 holds the start symbol
     np.testing.assert_allclose(np.asarray(logits["cudnn"])[real], np.asarray(logits["reference"])[real], atol=5e-2)
@@ -105,7 +106,7 @@ def test_remat_gives_the_same_loss_and_gradients(rng_impl):
     decoder_inputs = jnp.array([[0, 13, 14, 15, 0, 0], [0, 16, 17, 18, 19, 20]])
     results = []
     for remat in (False, True):
-        graphdef, params = nnx.split(Transformer(dataclasses.replace(config, remat=remat), rngs=nnx.Rngs(0)))
+        graphdef, params = nnx.split(build(dataclasses.replace(config, remat=remat), rngs=nnx.Rngs(0)))
 
         def loss(params):
             model = nnx.merge(graphdef, params)

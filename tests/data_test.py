@@ -175,12 +175,12 @@ def test_token_cache_matches_the_tokenizer_with_and_without_workers(tokenizer, t
 def test_a_packed_row_gives_each_pair_the_outputs_it_has_alone(cache):
     import jax.numpy as jnp
     from flax import nnx
-    from transformer.model import ModelConfig, Transformer
+    from transformer.model import ModelConfig, build
     from transformer.steps import shift_right
 
     config = ModelConfig(vocab_size=400, emb_dim=32, num_heads=4, num_encoder_layers=1, num_decoder_layers=1,
                          mlp_dim=64)
-    model = nnx.jit(lambda: Transformer(config, rngs=nnx.Rngs(0)))()  # eager init is op-by-op: slower
+    model = nnx.jit(lambda: build(config, rngs=nnx.Rngs(0)))()  # eager init is op-by-op: slower
     batch = stream(cache, count=1)[0][0]
     row = int(batch["targets_segmentation"].max(axis=1).argmax())  # the row with the most pairs
     packed = nnx.jit(lambda m, b: m(b["inputs"], shift_right(b["targets"], b["targets_segmentation"]),

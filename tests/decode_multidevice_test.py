@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (run by decode_devices_test.py)")
 
 from transformer import decode, sharding  # noqa: E402
-from transformer.model import Transformer  # noqa: E402
+from transformer.model import build  # noqa: E402
 
 
 def rows_over(devices) -> NamedSharding:
@@ -58,7 +58,7 @@ def test_params_on_a_trainer_mesh_decode_on_its_batch_axes(setup):
     tokenizer, params, searches, one_device = setup
     mesh_config = sharding.MeshConfig(2, 2, 2)
     mesh = Mesh(np.asarray(jax.devices()[::-1]).reshape(2, 2, 1, 2), sharding.MESH_AXES)
-    abstract = nnx.eval_shape(lambda: Transformer(decode_setup.MODEL, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: build(decode_setup.MODEL, rngs=nnx.Rngs(0)))
     placed = jax.device_put(params, sharding.param_shardings(abstract, params, mesh, mesh_config))
     assert decode.batch_sharding_for(placed) == sharding.batch_sharding(mesh, mesh_config)  # what the trainer passes
     beam = {"beam": searches["beam"]}  # the search with the most state to split

@@ -7,7 +7,7 @@ import numpy as np
 from flax import nnx
 
 from transformer import data, decode
-from transformer.model import ModelConfig, Transformer
+from transformer.model import ModelConfig, build
 from transformer.tokenizer import Tokenizer, train_tokenizer
 
 CORPUS = data.DataConfig(builtin_train_size=2000, builtin_valid_size=64)
@@ -33,7 +33,7 @@ SEARCHES = {"greedy": {}, "beam": {"beam_size": 3, "alpha": 0.6},
 
 def tiny_model(seed: int = 0):
     """(graphdef, params as a pure dict) of a random 1+2-layer model; the same on every process for one seed."""
-    graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(seed)))
+    graphdef, params = nnx.split(build(MODEL, rngs=nnx.Rngs(seed)))
     return graphdef, nnx.to_pure_dict(params)
 
 

@@ -12,8 +12,8 @@ from flax import nnx
 from transformer.decode import (NEG_INF, DecodeConfig, beam_search, budget_batches, cache_blocks_for,
                                 command_line_settings, greedy_search, length_penalty, make_search, nbest_lines,
                                 sampling_logits, search_ids, search_nbest, search_sentences)
-from transformer.model import (ModelConfig, Transformer, blocked_attention, dot_product_attention, to_cache_layout,
-                               write_cache_rows)
+from transformer.model import ModelConfig, build as build_model
+from transformer.model.attention import blocked_attention, dot_product_attention, to_cache_layout, write_cache_rows
 from transformer.steps import shift_right
 from transformer.tokenizer import EOS_ID
 
@@ -25,7 +25,7 @@ jitted_beam_search = jax.jit(beam_search, static_argnames=(
 def build(vocab_size, seed, **shapes):
     config = ModelConfig(vocab_size=vocab_size, emb_dim=32, num_heads=4, num_encoder_layers=1, num_decoder_layers=2,
                          mlp_dim=64, **shapes)
-    graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(seed)))
+    graphdef, params = nnx.split(build_model(config, rngs=nnx.Rngs(seed)))
     return graphdef, nnx.to_pure_dict(params)
 
 

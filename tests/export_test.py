@@ -17,7 +17,8 @@ import pytest
 from flax import nnx
 from tiny import load_script, make_tiny_config, tree_digest
 from transformer import data, decode, trainer
-from transformer.model import ModelConfig, sinusoidal_positions, unstack_layer_params
+from transformer.model import ModelConfig, unstack_layer_params
+from transformer.model.masks import sinusoidal_positions
 from transformer.tokenizer import EOS_ID, PAD_ID, UNK_ID
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -15,7 +15,8 @@ from flax import nnx
 from tiny import TINY_OVERRIDES, decode_incrementally, make_tiny_config
 from transformer import steps, throughput, trainer
 from transformer.features import FeatureExtractor
-from transformer.model import ModelConfig, Transformer, join_pair, prefix_lm_mask
+from transformer.model import ModelConfig, build, join_pair
+from transformer.model.masks import prefix_lm_mask
 from transformer.tokenizer import EOS_ID
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +40,7 @@ def apply(model, inputs, decoder_inputs, packing=None):
                 ids=["post-prefix_lm", "pre-prefix_lm", "post-causal"])
 def decoder_only(request):
     layer_norm, prefix_lm = request.param
-    return Transformer(ModelConfig(**DECODER_ONLY, layer_norm=layer_norm, prefix_lm=prefix_lm), rngs=nnx.Rngs(0))
+    return build(ModelConfig(**DECODER_ONLY, layer_norm=layer_norm, prefix_lm=prefix_lm), rngs=nnx.Rngs(0))
 
 
 def test_the_prefix_mask_lets_no_target_see_a_later_one_nor_a_source_see_a_target():
@@ -96,10 +97,10 @@ def test_cached_decoding_equals_the_teacher_forced_pass(decoder_only):
 
 
 def test_the_families_build_only_their_stacks_and_refuse_what_they_cannot_be():
-    params = nnx.to_pure_dict(nnx.state(Transformer(ModelConfig(**DECODER_ONLY), rngs=nnx.Rngs(0)), nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(build(ModelConfig(**DECODER_ONLY), rngs=nnx.Rngs(0)), nnx.Param))
     assert set(params) == {"decoder_layers", "source_embedder"}  # one table: the source's name, as encoder_decoder
     assert "cross_attention" not in params["decoder_layers"][0]
-    params = nnx.to_pure_dict(nnx.state(Transformer(ModelConfig(**ENCODER_ONLY), rngs=nnx.Rngs(0)), nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(build(ModelConfig(**ENCODER_ONLY), rngs=nnx.Rngs(0)), nnx.Param))
     assert set(params) == {"encoder_layers", "source_embedder"}
     refused = [
         (dict(DECODER_ONLY, num_encoder_layers=2), "set num_encoder_layers=0"),
@@ -149,7 +150,7 @@ def test_bert_masking_rates_on_a_large_sample():
 
 
 def test_the_masked_language_model_scores_the_masked_tokens_the_same_way_each_evaluation():
-    model = Transformer(ModelConfig(**ENCODER_ONLY, masked_side="both"), rngs=nnx.Rngs(0))
+    model = build(ModelConfig(**ENCODER_ONLY, masked_side="both"), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
     batch = {"inputs": jnp.tile(INPUTS, (4, 1)), "targets": jnp.tile(jnp.roll(DECODER_INPUTS, -1, axis=1), (4, 1))}
     evaluate = jax.jit(lambda params, batch: steps.eval_step(params, batch, graphdef=graphdef, label_smoothing=0.0))
@@ -172,14 +173,14 @@ def test_flops_count_what_each_family_runs():
     d, ff, vocab, layers, rows, s, t = 64, 256, 500, 3, 8, 20, 12
     config = ModelConfig(vocab_size=vocab, emb_dim=d, num_heads=4, mlp_dim=ff, family="decoder_only",
                          num_encoder_layers=0, num_decoder_layers=layers)
-    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: build(config, rngs=nnx.Rngs(0)))
     kernels = sum(int(np.prod(x.shape)) for path, x in jax.tree_util.tree_flatten_with_path(
         nnx.state(model, nnx.Param))[0] if "kernel" in str(path))
     expected = (6 * kernels * rows * (s + t) + 12 * d * layers * rows * (s + t) ** 2 + 6 * vocab * d * rows * t)
     assert throughput.model_flops_of_shape(config, rows, s, t) == pytest.approx(expected, rel=1e-12)
     config = ModelConfig(vocab_size=vocab, emb_dim=d, num_heads=4, mlp_dim=ff, family="encoder_only",
                          num_encoder_layers=layers, num_decoder_layers=0)
-    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: build(config, rngs=nnx.Rngs(0)))
     kernels = sum(int(np.prod(x.shape)) for path, x in jax.tree_util.tree_flatten_with_path(
         nnx.state(model, nnx.Param))[0] if "kernel" in str(path))
     expected = 6 * kernels * rows * s + 12 * d * layers * rows * s**2 + 6 * vocab * d * rows * s

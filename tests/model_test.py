@@ -5,7 +5,9 @@ import pytest
 from flax import nnx
 
 from tiny import decode_incrementally
-from transformer.model import ModelConfig, Transformer, attention_mask, sinusoidal_positions, to_cache_layout
+from transformer.model import ModelConfig, build
+from transformer.model.attention import to_cache_layout
+from transformer.model.masks import attention_mask, sinusoidal_positions
 
 TINY = dict(vocab_size=40, emb_dim=32, num_heads=4, num_encoder_layers=2, num_decoder_layers=2, mlp_dim=64)
 INPUTS = jnp.array([[5, 6, 7, 8, 1, 0, 0], [9, 10, 1, 0, 0, 0, 0]])
@@ -20,7 +22,7 @@ def apply(model, inputs, decoder_inputs, packing=None):
 
 @pytest.fixture(scope="module", params=["post", "pre"])
 def model(request):
-    return Transformer(ModelConfig(**TINY, layer_norm=request.param), rngs=nnx.Rngs(0))
+    return build(ModelConfig(**TINY, layer_norm=request.param), rngs=nnx.Rngs(0))
 
 
 def test_logits_are_float32_with_expected_shape(model):
@@ -65,17 +67,18 @@ def test_cached_decoding_equals_teacher_forced_pass(model):
 
 
 def test_caches_are_head_major_in_blocks():
-    model = Transformer(ModelConfig(**TINY), rngs=nnx.Rngs(0))
+    model = build(ModelConfig(**TINY), rngs=nnx.Rngs(0))
     inputs = jnp.array([[5, 6, 7, 1, 0, 0, 0], [9, 10, 1, 0, 0, 0, 0]])
     cache = model.init_cache(jnp.ones((2, 7, 32)), inputs, 5, hypotheses=3, blocks=2)
-    layer_cache = cache["layers"][0]
+    layer_cache = cache["layers"][0]["self_attention"]
     # keys [batch, heads, head_dim, rows], values [batch, heads, rows, head_dim]; 5 positions rounded up to 6, of
     # 3 hypotheses each: 18 rows in 2 blocks of 9
     assert [x.shape for x in layer_cache["key"]] == [(2, 4, 8, 9)] * 2
     assert [x.shape for x in layer_cache["value"]] == [(2, 4, 9, 8)] * 2
     with pytest.raises(ValueError, match="blocks=0 must be >= 1"):
         model.init_cache(jnp.ones((2, 7, 32)), inputs, 6, blocks=0)
-    assert layer_cache["cross_key"].shape == (2, 4, 8, 7) and layer_cache["cross_value"].shape == (2, 4, 7, 8)
+    cross = cache["layers"][0]["cross_attention"]
+    assert cross["key"].shape == (2, 4, 8, 7) and cross["value"].shape == (2, 4, 7, 8)
     np.testing.assert_array_equal(cache["source_mask"][:, 0, 0], inputs != 0)
     keys, values = (jax.random.normal(jax.random.key(i), (2, 7, 4, 8)) for i in (1, 2))
     head_major_keys, head_major_values = to_cache_layout(keys, values)
@@ -96,7 +99,7 @@ def test_hypotheses_decoded_together_equal_each_decoded_alone(model):
 @pytest.mark.parametrize("rate", ["dropout_rate", "attention_dropout_rate", "relu_dropout_rate"])
 def test_dropout_is_active_only_when_not_deterministic(rate):
     """Each of the three dropouts (residual, attention weights, after the ReLU), set alone, takes effect."""
-    model = Transformer(ModelConfig(**TINY, **{"dropout_rate": 0.0, rate: 0.3}), rngs=nnx.Rngs(0))
+    model = build(ModelConfig(**TINY, **{"dropout_rate": 0.0, rate: 0.3}), rngs=nnx.Rngs(0))
 
     @nnx.jit(static_argnames="deterministic")
     def run(model, key, deterministic):
@@ -110,7 +113,7 @@ def test_dropout_is_active_only_when_not_deterministic(rate):
 
 
 def test_the_embedding_is_scaled_by_sqrt_d_model_and_the_positions_added():
-    model = Transformer(ModelConfig(**TINY), rngs=nnx.Rngs(0))
+    model = build(ModelConfig(**TINY), rngs=nnx.Rngs(0))
     tokens, positions = jnp.array([[5, 6, 7, 1]]), jnp.array([[0, 1, 2, 3]])
     embedded = model.source_embedder(tokens, positions, deterministic=True, rngs=None)
     table = np.asarray(model.source_embedder.embedding.embedding[...])
@@ -133,7 +136,7 @@ def test_attention_mask_blocks_padding_other_segments_and_future():
 
 def test_embedding_sharing_options_change_the_parameter_count():
     def count(**options):
-        model = nnx.eval_shape(lambda: Transformer(ModelConfig(**TINY, **options), rngs=nnx.Rngs(0)))
+        model = nnx.eval_shape(lambda: build(ModelConfig(**TINY, **options), rngs=nnx.Rngs(0)))
         return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     shared = count()
     assert count(share_embeddings=False) == shared + 40 * 32
@@ -142,9 +145,9 @@ def test_embedding_sharing_options_change_the_parameter_count():
 
 
 def test_bfloat16_compute_keeps_float32_params_and_logits():
-    model = Transformer(ModelConfig(**TINY, dtype="bfloat16"), rngs=nnx.Rngs(0))
+    model = build(ModelConfig(**TINY, dtype="bfloat16"), rngs=nnx.Rngs(0))
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    reference = Transformer(ModelConfig(**TINY), rngs=nnx.Rngs(0))
+    reference = build(ModelConfig(**TINY), rngs=nnx.Rngs(0))
     logits = apply(model, INPUTS, DECODER_INPUTS)
     assert logits.dtype == jnp.float32
     np.testing.assert_allclose(logits, reference(INPUTS, DECODER_INPUTS), atol=0.1)  # bf16 has ~3 digits
@@ -152,8 +155,8 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
 
 def test_init_std_draws_every_kernel_and_embedding_from_one_normal():
     def stds(**kw):
-        params = nnx.to_pure_dict(nnx.state(Transformer(ModelConfig(**{**TINY, "vocab_size": 400}, **kw),
-                                                        rngs=nnx.Rngs(0)), nnx.Param))
+        params = nnx.to_pure_dict(nnx.state(build(ModelConfig(**{**TINY, "vocab_size": 400}, **kw),
+                                                  rngs=nnx.Rngs(0)), nnx.Param))
         flat = {"/".join(map(str, k)): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
         return {k: v.std() for k, v in flat.items() if k.endswith(("kernel']", "embedding']"))}
     default, marian = stds(), stds(init_std=0.02)
@@ -178,5 +181,5 @@ def test_bad_model_configs_fail_naming_the_field(bad, message):
 
 
 def test_untied_output_projection_gives_float32_logits_under_bfloat16():
-    model = Transformer(ModelConfig(**TINY, dtype="bfloat16", tie_output_embedding=False), rngs=nnx.Rngs(0))
+    model = build(ModelConfig(**TINY, dtype="bfloat16", tie_output_embedding=False), rngs=nnx.Rngs(0))
     assert apply(model, INPUTS, DECODER_INPUTS).dtype == jnp.float32

@@ -13,8 +13,10 @@ from flax import nnx
 from configs import default
 from tiny import decode_incrementally
 from transformer import throughput
-from transformer.model import (ROUTER_STATS, FeedForward, ModelConfig, MoEFeedForward, Transformer, expert_capacity,
-                               route)
+from transformer.model import ROUTER_STATS, ModelConfig, build
+from transformer.model.blocks import Inputs
+from transformer.model.experts import MoEFeedForward, expert_capacity, route
+from transformer.model.feed_forward import FeedForward
 from transformer.steps import step_metrics
 from transformer.trainer import Settings
 
@@ -100,16 +102,17 @@ def test_one_expert_with_room_for_every_token_equals_the_dense_feed_forward():
     dense.output.bias[...] = moe.output_bias[...][0]
     x = jax.random.normal(jax.random.key(2), (3, 7, 16))
     real = jnp.ones((3, 7), bool).at[1, 5:].set(False)
-    y, stats = moe(x, real, deterministic=True, rngs=None)
-    expected = dense(x, deterministic=True, rngs=None)
+    y, stats = moe(x, Inputs(real=real), deterministic=True, rngs=None)
+    expected, _ = dense(x, Inputs(), deterministic=True, rngs=None)
     np.testing.assert_allclose(np.asarray(y)[np.asarray(real)], np.asarray(expected)[np.asarray(real)], atol=1e-5)
     assert np.abs(np.asarray(y)[~np.asarray(real)]).max() == 0  # padding is never routed
-    np.testing.assert_allclose(stats[0], 1.0, rtol=1e-6)  # one expert takes everything: balanced by definition
+    # one expert takes everything: balanced by definition
+    np.testing.assert_allclose(stats["router"][0], 1.0, rtol=1e-6)
 
 
 @pytest.fixture(scope="module")
 def moe_model():
-    return Transformer(dataclasses.replace(MOE, eval_capacity_factor=0.0), rngs=nnx.Rngs(0))
+    return build(dataclasses.replace(MOE, eval_capacity_factor=0.0), rngs=nnx.Rngs(0))
 
 
 def test_expert_layers_are_every_other_and_the_model_reports_their_mean(moe_model):
@@ -118,7 +121,7 @@ def test_expert_layers_are_every_other_and_the_model_reports_their_mean(moe_mode
     logits, router = nnx.jit(lambda m: m(INPUTS, DECODER_INPUTS, with_router_stats=True))(moe_model)
     assert set(router) == set(ROUTER_STATS) and logits.shape == (2, 9, 40)
     assert 1.0 <= float(router["router_balance"]) <= 4.0 and float(router["router_z"]) > 0
-    dense = Transformer(dataclasses.replace(MOE, num_experts=0), rngs=nnx.Rngs(0))
+    dense = build(dataclasses.replace(MOE, num_experts=0), rngs=nnx.Rngs(0))
     assert dense(INPUTS, DECODER_INPUTS, with_router_stats=True)[1] == {}
 
 

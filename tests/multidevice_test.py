@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices 
 
 from transformer import sharding, trainer  # noqa: E402
 from transformer.checkpoint import Checkpointer  # noqa: E402
-from transformer.model import ATTENTION_KINDS, ModelConfig  # noqa: E402
+from transformer.model import ModelConfig  # noqa: E402
+from transformer.model.config import ATTENTION_FIELDS, allowed_kinds  # noqa: E402
 from transformer.optim import OptimizerConfig, make_optimizer  # noqa: E402
 
 MODEL = ModelConfig(vocab_size=64, emb_dim=32, num_heads=4, num_encoder_layers=1, num_decoder_layers=1, mlp_dim=64,
@@ -54,7 +55,7 @@ def setup(mesh_sizes, model=MODEL, num_microbatches=1):
 
 @functools.cache
 def one_step(mesh_sizes, num_microbatches=1, dropout_rate=0.1, kind="dense", experts=0, family="encoder_decoder"):
-    kinds = {field: kind if kind in allowed else "dense" for field, allowed in ATTENTION_KINDS.items()}
+    kinds = {field: kind if kind in allowed_kinds(field) else "dense" for field in ATTENTION_FIELDS}
     model = dataclasses.replace(MODEL, dropout_rate=dropout_rate, local_window=3, performer_features=16, **kinds)
     if family != "encoder_decoder":  # the two stacks' layers as one stack of the family
         stack = "num_decoder_layers" if family == "decoder_only" else "num_encoder_layers"

@@ -13,8 +13,10 @@ from flax import nnx
 
 from transformer import decode, trainer
 from transformer.checkpoint import CheckpointMismatchError, Checkpointer, abstract_like
-from transformer.model import (LayerStack, ModelConfig, Transformer, attention_mask, stack_layer_params,
-                               unstack_layer_params)
+from transformer.model import ModelConfig, build, stack_layer_params, unstack_layer_params
+from transformer.model.blocks import Inputs
+from transformer.model.layers import LayerStack
+from transformer.model.masks import SelfMask, attention_mask
 from transformer.optim import OptimizerConfig, make_optimizer
 
 TINY = dict(vocab_size=40, emb_dim=32, num_heads=4, num_encoder_layers=2, num_decoder_layers=3, mlp_dim=64)
@@ -30,7 +32,7 @@ def pair(**overrides):
     """A per-layer model and its scanned twin holding the same parameters (stack_layer_params of the first's):
     (graphdef, params) of each."""
     config = ModelConfig(**{**TINY, **overrides})
-    graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(build(config, rngs=nnx.Rngs(0)))
     params = nnx.to_pure_dict(state)
     scanned_graphdef = trainer.model_graphdef(dataclasses.replace(config, scan_layers=True))
     return (graphdef, params), (scanned_graphdef, stack_layer_params(params))
@@ -56,7 +58,7 @@ def primitives(jaxpr) -> set[str]:
 
 def test_stacks_hold_each_parameter_once_with_a_leading_layer_axis_named_layers():
     config = ModelConfig(**TINY, scan_layers=True)
-    model = Transformer(config, rngs=nnx.Rngs(0))
+    model = build(config, rngs=nnx.Rngs(0))
     assert isinstance(model.encoder_layers, LayerStack) and len(model.decoder_layers) == 3
     kernel = model.decoder_layers.stacked.feed_forward.hidden.kernel
     assert kernel.shape == (3, 32, 64)
@@ -70,7 +72,7 @@ def test_stacks_hold_each_parameter_once_with_a_leading_layer_axis_named_layers(
     np.testing.assert_array_equal(layer.feed_forward.hidden.kernel[...], kernel[1])
     assert tuple(layer.feed_forward.hidden.kernel.out_sharding) == ("embed", "mlp")
     assert tuple(kernel.out_sharding) == ("layers", "embed", "mlp")  # the stack's own metadata is untouched
-    per_layer = params_of(Transformer(ModelConfig(**TINY), rngs=nnx.Rngs(0)))
+    per_layer = params_of(build(ModelConfig(**TINY), rngs=nnx.Rngs(0)))
     stacked = params_of(model)
     assert jax.tree.structure(stack_layer_params(per_layer)) == jax.tree.structure(stacked)
     assert trainer.count_params(per_layer) == trainer.count_params(stacked)
@@ -90,7 +92,7 @@ def test_dropout_draws_a_key_per_layer():
     """Under dropout, the scanned encoder equals its layers applied one by one with the keys of one split per layer;
     with every layer holding the same parameters, sharing one key among them would give another output."""
     config = ModelConfig(**TINY, scan_layers=True, dropout_rate=0.3, relu_dropout_rate=0.2)
-    model = Transformer(config, rngs=nnx.Rngs(0))
+    model = build(config, rngs=nnx.Rngs(0))
     stack = model.encoder_layers.stacked
     graphdef, state = nnx.split(stack)
     nnx.update(stack, jax.tree.map(lambda x: jnp.broadcast_to(x[:1], x.shape), state))  # identical layers
@@ -109,8 +111,8 @@ def test_dropout_draws_a_key_per_layer():
                                   deterministic=False, rngs=rngs)
         keys = jax.random.split(rngs.dropout(), len(model.encoder_layers))
         for index, layer in enumerate(model.encoder_layers):
-            x, _ = layer(x, mask, segmentation != 0, deterministic=False,
-                         rngs=nnx.Rngs(dropout=keys[0 if shared else index]))
+            x, _ = layer(x, Inputs(self_mask=SelfMask(segmentation, matrix=mask), real=segmentation != 0),
+                         deterministic=False, rngs=nnx.Rngs(dropout=keys[0 if shared else index]))
         return x
 
     out = scanned(model, key)

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from transformer import throughput, trainer
-from transformer.model import ModelConfig, Transformer
+from transformer.model import ModelConfig, build
 from transformer.optim import OptimizerConfig, make_optimizer
 from transformer.steps import attention_pairs, train_step
 
@@ -31,7 +31,7 @@ def flops_from_the_parameters(config: ModelConfig, rows: int, source_length: int
     """The peer reference's count, with the matmul parameters read off a real model rather than written out: 6 x (each
     kernel's size x the tokens it sees: the encoder's and the cross-attention's keys and values see the source)
     + 12 x d_model x rows x layers x (S^2 + T^2 + T S) + 6 x vocab x d_model x rows x T."""
-    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: build(config, rngs=nnx.Rngs(0)))
     dense = 0
     leaves, _ = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))
     for path, leaf in leaves:

@@ -66,9 +66,10 @@ def model_defaults() -> ml_collections.ConfigDict:
     # The attention of each kind of sublayer (docs/attention.md): dense (the paper's) | local (the keys within
     # model.local_window positions: the paper's restricted self-attention) | linformer (keys and values projected
     # along the length to model.linformer_length rows) | performer (softmax estimated by model.performer_features
-    # positive random features: linear in the length). linformer and performer take one sentence per row:
-    # data.pack=false
-    model.encoder_attention = "dense"  # dense | local | linformer | performer
+    # positive random features: linear in the length) | any kind registered with transformer.model.register
+    # (docs/design.md). linformer and performer take one sentence per row: data.pack=false. A comma-separated list
+    # is a per-layer pattern, cycled over the stack's layers: "local,dense" alternates them
+    model.encoder_attention = "dense"  # dense | local | linformer | performer, or a pattern of them
     model.decoder_attention = "dense"  # dense | local (itself and the window's r positions before it) | performer
     model.cross_attention = "dense"  # dense | performer
     model.local_window = 16  # r of local attention: keys at distance <= r (a decoding cache of r + 1 positions)

@@ -24,7 +24,7 @@ from transformer import checkpoint, config_files, data, decode, errors, files, l
 from transformer import workdir as workdirs
 from transformer.metrics import log
 from transformer.checkpoint import Checkpointer, abstract_like
-from transformer.model import ATTENTION_KINDS, ROUTER_STATS, ROW_KINDS, ModelConfig, Transformer
+from transformer.model import ROUTER_STATS, ModelConfig, build
 from transformer.optim import OptimizerConfig, make_optimizer
 from transformer.steps import DROPOUT_RNGS, TrainState, eval_step, summarize, train_step
 from transformer.tokenizer import Tokenizer
@@ -147,12 +147,10 @@ class Settings:
         settings.decode.splits  # validates the split names now, before training
         if settings.seed < 0:
             raise ValueError(f"config.seed={settings.seed} must be >= 0")
-        row_kinds = [f"model.{field}={getattr(shapes, field)!r}" for field in ATTENTION_KINDS
-                     if getattr(shapes, field) in ROW_KINDS]
-        if row_kinds and settings.data.pack:
-            raise ValueError(f"{row_kinds[0]} mixes the positions of a row (linformer projects keys and values along "
-                             "the length, performer sums over them), so it takes one sentence per row: set "
-                             "data.pack=false")
+        if shapes.row_mixing and settings.data.pack:
+            field, value, why = shapes.row_mixing[0]
+            raise ValueError(f"model.{field}={value!r} mixes the positions of a row ({why}), so it takes one "
+                             "sentence per row: set data.pack=false")
         if shapes.position_limit is not None and shapes.position_limit < settings.data.max_length:
             table = "the learned position table" if shapes.positional_encoding == "learned" else "linformer's projection"
             joined = ", which numbers a target on from its source (half each)" if shapes.joins_pair else ""
@@ -180,7 +178,7 @@ class Settings:
 @functools.lru_cache(maxsize=16)
 def abstract_model(model_config: ModelConfig) -> nnx.Module:
     """The model with ShapeDtypeStructs for arrays (read-only: its graph and logical axes)."""
-    return nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: build(model_config, rngs=nnx.Rngs(0)))
 
 
 def model_graphdef(model_config: ModelConfig) -> nnx.GraphDef:
@@ -188,7 +186,7 @@ def model_graphdef(model_config: ModelConfig) -> nnx.GraphDef:
 
 
 def init_params(model_config: ModelConfig, key: jax.Array) -> dict:
-    return nnx.to_pure_dict(nnx.state(Transformer(model_config, rngs=nnx.Rngs(params=key)), nnx.Param))
+    return nnx.to_pure_dict(nnx.state(build(model_config, rngs=nnx.Rngs(params=key)), nnx.Param))
 
 
 def create_train_state(model_config: ModelConfig, optimizer, seed: int, shardings: Any = None) -> TrainState:

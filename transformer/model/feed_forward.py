@@ -1,0 +1,30 @@
+"""The position-wise feed-forward (paper section 3.3): the "dense" feed_forward kind."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from transformer.model import blocks
+from transformer.model.blocks import Inputs
+from transformer.model.config import ModelConfig, partitioned
+
+Array = jax.Array
+
+
+@blocks.register("feed_forward", "dense")
+class FeedForward(blocks.PositionwiseBlock):
+    """FFN(x) = max(0, x W1 + b1) W2 + b2, with relu dropout between."""
+
+    def __init__(self, config: ModelConfig, field: str = "num_experts", *, rngs: nnx.Rngs):
+        dtype, bias = config.compute_dtype, nnx.initializers.zeros_init()
+        self.hidden = nnx.Linear(config.emb_dim, config.mlp_dim, dtype=dtype, rngs=rngs,
+                                 kernel_init=config.kernel_init("embed", "mlp"), bias_init=partitioned(bias, "mlp"))
+        self.output = nnx.Linear(config.mlp_dim, config.emb_dim, dtype=dtype, rngs=rngs,
+                                 kernel_init=config.kernel_init("mlp", "embed"), bias_init=partitioned(bias, "embed"))
+        self.dropout = nnx.Dropout(config.relu_dropout_rate)
+
+    def __call__(self, x: Array, inputs: Inputs, *, deterministic: bool, rngs: nnx.Rngs | None
+                 ) -> tuple[Array, blocks.Stats]:
+        hidden = self.dropout(jax.nn.relu(self.hidden(x)), deterministic=deterministic, rngs=rngs)
+        return self.output(hidden), {}
