@@ -111,20 +111,21 @@ def synthetic_batch(batch: int, source_length: int, target_length: int, vocab_si
 
 def build(config, sizes: dict):
     """Everything a train step needs, from the config and sizes: model config, mesh, shardings, steps."""
-    from transformer import sharding, trainer
+    from transformer import sharding
     from transformer.optim import make_optimizer
+    from transformer.plan import make_steps, model_graphdef, state_shardings
+    from transformer.settings import Settings
 
-    settings = trainer.Settings.from_config(config)
+    settings = Settings.from_config(config)
     model_config = settings.model_config(sizes["vocab_size"])
     optimizer, schedule = make_optimizer(settings.optimizer, model_config.emb_dim)
     mesh = sharding.make_mesh(settings.mesh)
     sharding.check_batch_divisible(sizes["batch"] // settings.train.num_microbatches, mesh, settings.mesh,
                                    "--batch / train.num_microbatches")
-    state_shardings = trainer.state_shardings(model_config, optimizer, mesh, settings.mesh)
+    shardings = state_shardings(model_config, optimizer, mesh, settings.mesh)
     batch_sharding = sharding.batch_sharding(mesh, settings.mesh)
-    train, _ = trainer.make_steps(trainer.model_graphdef(model_config), optimizer, schedule, settings.train,
-                                  state_shardings, batch_sharding)
-    return settings, model_config, optimizer, mesh, state_shardings, batch_sharding, train
+    train, _ = make_steps(model_graphdef(model_config), optimizer, schedule, settings.train, shardings, batch_sharding)
+    return settings, model_config, optimizer, mesh, shardings, batch_sharding, train
 
 
 def memory_of(compiled) -> dict:
@@ -151,14 +152,15 @@ def describe(config, sizes: dict, mesh) -> dict:
 def run_compile_only(config, sizes: dict) -> dict:
     """Lower and compile the train step exactly as train.py would for the config and mesh (its batch, microbatches
     and vocabulary), with no array allocated; the memory per device XLA plans for it."""
-    from transformer import trainer
+    from transformer.plan import make_steps, startup_plan
+    from transformer.settings import Settings
 
-    settings = trainer.Settings.from_config(config)
-    plan, note = trainer.startup_plan(settings)
+    settings = Settings.from_config(config)
+    plan, note = startup_plan(settings)
     if note:
         print(note, flush=True)
-    train, _ = trainer.make_steps(plan.graphdef, plan.optimizer, plan.schedule, settings.train, plan.state_shardings,
-                                  plan.batch_sharding)
+    train, _ = make_steps(plan.graphdef, plan.optimizer, plan.schedule, settings.train, plan.state_shardings,
+                          plan.batch_sharding)
     start = time.perf_counter()
     lowered = train.lower(plan.abstract_state(settings.seed), plan.abstract_batch())
     lower_seconds = time.perf_counter() - start
@@ -179,11 +181,12 @@ def run_compile_only(config, sizes: dict) -> dict:
 
 def run_train(config, sizes: dict, *, steps: int, warmup: int, peak_size: int) -> dict:
     """Compile time, median step time over `steps` after `warmup`, tokens/s, MFU and peak memory."""
-    from transformer import sharding, throughput, trainer
+    from transformer import sharding, throughput
     from transformer.checkpoint import abstract_like
+    from transformer.plan import create_train_state
 
     settings, model_config, optimizer, mesh, state_shardings, batch_sharding, train = build(config, sizes)
-    state = trainer.create_train_state(model_config, optimizer, settings.seed, state_shardings)
+    state = create_train_state(model_config, optimizer, settings.seed, state_shardings)
     host_batch = synthetic_batch(sizes["batch"], sizes["source_length"], sizes["target_length"],
                                  model_config.vocab_size)
     batch = sharding.place_batch(host_batch, batch_sharding)
@@ -291,8 +294,9 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
 
     from flax import nnx
 
-    from transformer import decode, trainer
+    from transformer import decode
     from transformer.model import Transformer
+    from transformer.settings import Settings
 
     batch, source_length = sizes["batch"], sizes["source_length"]
     if new_tokens < source_length:
@@ -300,7 +304,7 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
                              "an output may have at most source length + max_extra_length tokens")
     with config.unlocked():
         config.model.dtype, config.model.dropout_rate = "float32", 0.0
-    settings = trainer.Settings.from_config(config)
+    settings = Settings.from_config(config)
     config = settings.model_config(sizes["vocab_size"])
     cache_blocks = decode.cache_blocks_for(settings.decode.cache_blocks, beam_size)
     graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))

@@ -25,10 +25,11 @@ from flax import nnx
 from configs import default
 from tiny import decode_incrementally
 from transformer.decode import beam_search, length_penalty
-from transformer.trainer import Settings
+
 from transformer.model import (ModelConfig, SelfMask, Transformer, attention, causal_sums, feature_exponents,
                                key_exponents, local_attention, performer_attention, random_features)
 from transformer.tokenizer import EOS_ID
+from transformer.settings import Settings
 
 # Rows of 11: two sentences then padding; one filling the row; three short ones (lengths not a multiple of r).
 SEGMENTS = jnp.array([[1, 1, 1, 1, 2, 2, 2, 2, 2, 0, 0], [1] * 11, [1, 1, 2, 2, 2, 3, 3, 3, 3, 3, 0]])

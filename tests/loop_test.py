@@ -16,7 +16,8 @@ from transformer import loop, optim, trainer
 from transformer.model import ModelConfig
 from transformer.optim import OptimizerConfig, make_optimizer
 from transformer.steps import TrainState, train_step
-from transformer.trainer import create_train_state, model_graphdef
+from transformer.plan import create_train_state, model_graphdef
+
 
 
 class FakeTime:
@@ -183,8 +184,8 @@ def test_a_run_that_diverges_stops_at_the_step_naming_it_and_saves_nothing_after
     with pytest.raises(loop.NonFiniteError, match=r"non-finite training \w+.* at step (\d+)") as error:
         run.train()
     bad_step = int(str(error.value).split(" at step ")[1].split()[0])
-    run.checkpointer.wait()
-    assert 1 <= bad_step <= 3 and all(step < bad_step for step in run.checkpointer.all_steps())
+    run.checkpoints.states.wait()
+    assert 1 <= bad_step <= 3 and all(step < bad_step for step in run.checkpoints.states.all_steps())
     assert f"last good checkpoint: {'none' if bad_step == 1 else 'step'}" in str(error.value)
 
 

@@ -16,7 +16,8 @@ from transformer import throughput
 from transformer.model import (ROUTER_STATS, FeedForward, ModelConfig, MoEFeedForward, Transformer, expert_capacity,
                                route)
 from transformer.steps import step_metrics
-from transformer.trainer import Settings
+from transformer.settings import Settings
+
 
 MOE = ModelConfig(vocab_size=40, emb_dim=16, num_heads=2, num_encoder_layers=2, num_decoder_layers=2, mlp_dim=32,
                   num_experts=4, experts_per_token=2, expert_every=2)

@@ -15,6 +15,7 @@ from multiprocess_test import free_port
 from tiny import TINY_OVERRIDES, make_tiny_config
 
 from transformer import loop, trainer
+from transformer.restore import restore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Enough steps that a signal sent at the first logged step finds the run still training.
@@ -42,7 +43,7 @@ def committed(workdir):
 
 
 def final_params(workdir):
-    return jax.tree.leaves(jax.device_get(trainer.restore(str(workdir)).params))
+    return jax.tree.leaves(jax.device_get(restore(str(workdir)).params))
 
 
 def test_sigterm_commits_the_step_exits_75_and_the_same_command_resumes_bitwise(tmp_path):

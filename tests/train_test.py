@@ -16,6 +16,10 @@ from transformer import decode, throughput, trainer
 from transformer.checkpoint import CheckpointMismatchError
 from transformer.sources import DataError
 from transformer.tokenizer import VocabularyError
+from transformer.evaluation import SAMPLE_TRANSLATIONS
+from transformer.restore import restore
+from transformer.settings import Settings
+from transformer.workdir import REPORTS_FILE, use_compilation_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,7 +80,7 @@ def test_the_run_writes_sample_translations_hparams_and_a_profile(trained_workdi
     samples = [value.tensor.string_val[0].decode() for tag, value in values if tag == "valid_bleu/samples/text_summary"]
     assert len(samples) == 2  # the BLEU evaluations at steps 3 and 6 (the end's are of the final parameters)
     table = samples[0].splitlines()
-    assert table[0] == "| source | reference | translation |" and len(table) == 2 + trainer.SAMPLE_TRANSLATIONS
+    assert table[0] == "| source | reference | translation |" and len(table) == 2 + SAMPLE_TRANSLATIONS
     assert any(tag == "_hparams_/session_start_info" for tag, _ in values)
     final = {tag: value.simple_value for tag, value in values if tag.startswith("final/")}
     scores = json.loads((workdir / "scores.json").read_text())
@@ -88,7 +92,7 @@ def test_the_run_writes_sample_translations_hparams_and_a_profile(trained_workdi
 def assert_throughput_is_the_windows_count_over_its_seconds(records, vocab_size):
     """Each train record covers the steps since the one before: its tokens/s and model FLOP/s are that window's
     real tokens and analytic FLOPs over its training seconds, and its MFU is the FLOP/s over one peak."""
-    model = trainer.Settings.from_config(make_tiny_config()).model_config(vocab_size)
+    model = Settings.from_config(make_tiny_config()).model_config(vocab_size)
     previous_step, previous_seconds, peaks = 0, 0.0, []
     for record in records:
         seconds = record["train_seconds"] - previous_seconds
@@ -128,7 +132,7 @@ def test_eval_restores_the_checkpoint_and_scores_a_split_and_a_file(trained_work
 
 
 def final_params(workdir):
-    return jax.device_get(trainer.restore(str(workdir)).params)
+    return jax.device_get(restore(str(workdir)).params)
 
 
 def recorder(monkeypatch):
@@ -240,9 +244,9 @@ def test_eval_averages_checkpoints_with_beam_search_and_writes_all_scores(traine
     assert scores["chrf_signature"].startswith("nrefs:1") and "lang es" in scores["paper_bleu_method"]
     assert scores["tokens_per_second"] > 0 and scores["sentences_per_second"] > 0
     assert len((run / "eval" / "valid.avg2_step6.beam2-gnmt0.6-extra4.txt").read_text().splitlines()) == 64
-    expected = [(a + b) / 2 for a, b in zip(jax.tree.leaves(trainer.restore(str(workdir), 3).params),
-                                            jax.tree.leaves(trainer.restore(str(workdir), 6).params))]
-    averaged = trainer.restore(str(workdir), average_last=2)
+    expected = [(a + b) / 2 for a, b in zip(jax.tree.leaves(restore(str(workdir), 3).params),
+                                            jax.tree.leaves(restore(str(workdir), 6).params))]
+    averaged = restore(str(workdir), average_last=2)
     for a, b in zip(jax.tree.leaves(averaged.params), expected):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
@@ -251,22 +255,22 @@ def test_averaging_more_checkpoints_than_kept_or_an_empty_workdir_fails_clearly(
     workdir, _ = trained_workdir
     with pytest.raises(ValueError, match=r"average the last 3 checkpoints up to step 6, but .* holds only 2 "
                                          r"\(steps \[3, 6\]\)"):
-        trainer.restore(str(workdir), average_last=3)
+        restore(str(workdir), average_last=3)
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "config.json").write_text((workdir / "config.json").read_text())
     (empty / "checkpoints").mkdir()
     with pytest.raises(FileNotFoundError, match="no checkpoint in"):
-        trainer.restore(str(empty))
+        restore(str(empty))
     with pytest.raises(FileNotFoundError, match="best_checkpoint does not exist"):
-        trainer.restore(str(empty), best=True)
+        restore(str(empty), best=True)
 
 
 def test_the_averaging_script_writes_a_workdir_that_restores_to_the_average(trained_workdir, tmp_path):
     workdir, _ = trained_workdir
     script = load_script("average_checkpoints")
     assert script.write_averaged_workdir(str(workdir), str(tmp_path / "avg"), 2) == [3, 6]
-    restored, expected = trainer.restore(str(tmp_path / "avg")), trainer.restore(str(workdir), average_last=2)
+    restored, expected = restore(str(tmp_path / "avg")), restore(str(workdir), average_last=2)
     assert restored.step == 6
     for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(expected.params)):
         np.testing.assert_array_equal(a, b)
@@ -284,7 +288,7 @@ def test_translate_cli_round_trip(trained_workdir, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout.split("\n")
     assert len(output) == 5 and output[1] == "" and output[4] == ""  # aligned; the empty line stays empty
-    restored = trainer.restore(str(workdir), decode_overrides={"beam_size": 2})
+    restored = restore(str(workdir), decode_overrides={"beam_size": 2})
     expected = decode.translate(restored.search_fn(), restored.params, restored.tokenizer, lines, 3)
     assert output[:4] == expected
 
@@ -295,7 +299,7 @@ def test_the_best_checkpoint_is_chosen_by_dev_bleu(trained_workdir):
     valid = {r["step"]: r["bleu"] for r in records if r["split"] == "valid_bleu"}
     assert sorted(valid) == [3, 6]  # test BLEU is logged too, but never chooses
     assert len(os.listdir(workdir / "best_checkpoint")) == 1
-    restored = trainer.restore(str(workdir), best=True)
+    restored = restore(str(workdir), best=True)
     assert restored.best and restored.name == f"best_step{restored.step}" and valid[restored.step] == max(valid.values())
     # eval.py --best picks one checkpoint: with a step or an average as well, it is a usage error.
     for extra in ("--step=3", "--average_last=2"):
@@ -307,7 +311,7 @@ def test_the_best_checkpoint_is_chosen_by_dev_bleu(trained_workdir):
 def test_the_plot_script_writes_pngs_of_attention_rows_that_sum_to_one(trained_workdir, tmp_path):
     workdir, _ = trained_workdir
     script = load_script("plot_attention")
-    maps = script.plot_attention(trainer.restore(str(workdir)), "The black cat sleeps.", str(tmp_path))
+    maps = script.plot_attention(restore(str(workdir)), "The black cat sleeps.", str(tmp_path))
     for name in ("cross_attention.png", "decoder_self_attention.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = np.load(tmp_path / "attention.npz")
@@ -337,8 +341,8 @@ def test_a_time_budget_stops_the_run_then_the_last_checkpoints_are_averaged_and_
     (resumed,) = [r for r in records if r["split"] == "train" and r["step"] == 2]
     window = resumed["target_tokens"] / resumed["tokens_per_second"]
     np.testing.assert_allclose(second["train_seconds"], first["train_seconds"] + window, rtol=1e-6)
-    params = {step: trainer.restore(str(workdir), step).params for step in (1, 2)}
-    averaged = trainer.restore(str(workdir), 2, average_last=2).params
+    params = {step: restore(str(workdir), step).params for step in (1, 2)}
+    averaged = restore(str(workdir), 2, average_last=2).params
     leaf = lambda tree: np.asarray(jax.tree.leaves(tree)[0])  # noqa: E731
     np.testing.assert_allclose(leaf(averaged), (leaf(params[1]) + leaf(params[2])) / 2, atol=1e-7)
     assert (workdir / "translations_valid_avg_step2.txt").exists()
@@ -366,7 +370,7 @@ def test_a_report_mark_scores_the_averaged_checkpoints_then_training_goes_on(tmp
     assert [r["step"] for r in records if r["split"] == "avg_valid_bleu"] == [4]
     reports = json.loads(json.dumps(result["reports"]))
     assert json.loads((workdir / "scores.json").read_text())["reports"] == reports
-    assert json.loads((workdir / trainer.REPORTS_FILE).read_text()) == reports
+    assert json.loads((workdir / REPORTS_FILE).read_text()) == reports
     # A resumed run keeps the mark's scores (in reports.json) and does not score the mark again.
     config.train.num_train_steps = 6
     resumed = trainer.Run(config, str(workdir)).train()
@@ -391,11 +395,11 @@ def test_the_compilation_cache_defaults_to_the_workdir_unless_the_environment_ch
     before = jax.config.jax_compilation_cache_dir
     try:
         jax.config.update("jax_compilation_cache_dir", None)
-        trainer.use_compilation_cache("none", str(tmp_path))
+        use_compilation_cache("none", str(tmp_path))
         assert jax.config.jax_compilation_cache_dir is None
-        trainer.use_compilation_cache("", str(tmp_path))
+        use_compilation_cache("", str(tmp_path))
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "compilation_cache")
-        trainer.use_compilation_cache(str(tmp_path / "elsewhere"), str(tmp_path))  # already chosen: kept
+        use_compilation_cache(str(tmp_path / "elsewhere"), str(tmp_path))  # already chosen: kept
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "compilation_cache")
     finally:
         jax.config.update("jax_compilation_cache_dir", before)

@@ -40,6 +40,7 @@ from etils import epath
 
 from transformer import errors
 from transformer import files
+from transformer.workdir import BEST_CHECKPOINT_DIR, CHECKPOINTS_DIR, PARAMS_DIR
 
 PyTree = Any
 log = logging.getLogger("transformer")  # the trainer's console logger (transformer.metrics sets its handler)
@@ -413,3 +414,76 @@ _scale = jax.jit(lambda total, factor: jax.tree.map(lambda x: (x * factor).astyp
 def abstract_like(tree: PyTree) -> PyTree:
     """ShapeDtypeStructs of a concrete or abstract tree (what StandardRestore restores into)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+class RunCheckpoints:
+    """A training run's checkpoints in its workdir: the train states (checkpoints/: every `every` steps and where
+    the run forces a save, the last `keep` kept); with average_last > 1 a params snapshot of each of the last
+    average_last saves (params/), which the end's averaging reads, so that averaging N needs N parameter sets on
+    disk rather than N train states; and with keep_best the params of the best dev BLEU (best_checkpoint/,
+    `open_best`). `before_save` runs before each save (the workdir lock's check)."""
+
+    def __init__(self, workdir: str, *, every: int, keep: int, use_async: bool, average_last: int,
+                 before_save=lambda: None):
+        self.workdir, self.use_async, self.average_last, self.before_save = workdir, use_async, average_last, before_save
+        self.states = Checkpointer(os.path.join(workdir, CHECKPOINTS_DIR), save_every_steps=every, keep=keep,
+                                   use_async=use_async)
+        self.snapshots = Checkpointer(os.path.join(workdir, PARAMS_DIR), save_every_steps=1, keep=average_last,
+                                      use_async=use_async) if average_last > 1 else None
+        self.best: Checkpointer | None = None
+        self.closed = False
+
+    def open_best(self) -> None:
+        self.best = Checkpointer(os.path.join(self.workdir, BEST_CHECKPOINT_DIR), save_every_steps=1, keep=1,
+                                 use_async=self.use_async, best_metric="valid_bleu")
+
+    def last_checkpoint(self) -> str:
+        """The last train state saved, for messages."""
+        step = self.states.last_saved
+        return "none" if step is None else f"step {step} in {self.states.directory}"
+
+    def save(self, step: int, state: PyTree, data_state: bytes | None, force: bool = False) -> bool:
+        """The train state (and data state) at checkpoint steps, or now with `force`, and a params snapshot with
+        it where averaging needs one; returns whether it saved."""
+        if force or step % self.states.save_every_steps == 0:
+            self.before_save()  # a run whose workdir another job took over must not write into it
+        if not self.states.save(step, state, data_state=data_state, force=force):
+            return False
+        if self.snapshots:
+            self.snapshots.save(step, {"params": state.params}, force=True)
+        return True
+
+    def save_best(self, step: int, params: PyTree, bleu: float) -> None:
+        """The params of `step`, kept if its dev BLEU is the best so far."""
+        if self.best is not None and step != self.best.last_saved:
+            self.best.save(step, {"params": params}, force=True, metrics={"valid_bleu": bleu})
+
+    def final_params(self, params: PyTree, shardings: PyTree) -> tuple[PyTree, list[int]]:
+        """The parameters the end of a run scores: with average_last > 1, the mean of the last params snapshots (the
+        paper's averaging) summed on the devices in `shardings` (the training ones), and their steps; else
+        `params`, the final ones, and []."""
+        if self.snapshots is None:
+            return params, []
+        self.snapshots.wait()
+        steps = self.snapshots.all_steps()[-self.average_last:]
+        if len(steps) < 2:
+            return params, []
+        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), params, shardings)
+        log.info("averaging the parameters of the checkpoints of steps %s", steps)
+        averaged, steps = average_readable_params([(self.snapshots, s) for s in steps], abstract, len(steps))
+        return (averaged, steps) if len(steps) > 1 else (params, [])  # unreadable ones were named
+
+    def close(self) -> None:
+        """Wait until every save is committed, then close the managers (once; all_steps() still answers)."""
+        if self.closed:
+            return
+        self.closed = True
+        failed = []
+        for checkpointer in (self.states, self.snapshots, self.best):
+            if checkpointer is not None:
+                try:
+                    checkpointer.close()  # waits for the last save first: a failed one raises CheckpointSaveError
+                except CheckpointSaveError as error:
+                    failed.append(error)
+        if failed:
+            raise failed[0]

@@ -25,7 +25,8 @@ from absl import app, flags, logging
 
 import jax
 
-from transformer import decode, errors, files, sharding, trainer
+from transformer import decode, errors, files, sharding
+from transformer.restore import Restored, restore_for_command_line, workdir_family
 
 decode.define_command_line_flags("lines")
 flags.adopt_module_key_flags(decode)
@@ -45,7 +46,7 @@ def chunks(lines: TextIO, size: int) -> Iterator[list[str]]:
         yield chunk
 
 
-def translate_stream(restored: trainer.Restored, lines: TextIO, out: TextIO, batch_size: int, nbest: int = 0,
+def translate_stream(restored: Restored, lines: TextIO, out: TextIO, batch_size: int, nbest: int = 0,
                      name: str = "stdin") -> int:
     """Translate every line of `lines` into `out`, a batch at a time (batch_size rounded up to whole rows per
     device); with nbest, write each line's n-best list instead. Inputs longer than the bound are cut, with one
@@ -82,10 +83,10 @@ def main(argv):
     if jax.process_count() > 1 and not FLAGS.input:
         raise errors.ConfigError("several processes read the same lines: give them --input (a file), not stdin")
     with errors.as_config_error():  # a bad flag or saved setting is named before anything is restored
-        if trainer.workdir_family(FLAGS.workdir) == "encoder_only":
+        if workdir_family(FLAGS.workdir) == "encoder_only":
             raise ValueError(f"{FLAGS.workdir} holds an encoder_only model, which has no decoder to translate with "
                              "(eval.py scores its masked tokens; transformer.features gives its encoder's outputs)")
-        restored = trainer.restore_for_command_line(
+        restored = restore_for_command_line(
             FLAGS.workdir, FLAGS.step, average_last=FLAGS.average_last, best=FLAGS.best, nbest=FLAGS.nbest,
             **{name: FLAGS[name].value for name in decode.COMMAND_LINE_OVERRIDES})
     source = files.open_file(FLAGS.input) if FLAGS.input else sys.stdin
