@@ -25,14 +25,14 @@ import json
 import os
 
 import jax
-from absl import app, flags, logging
+from absl import app, flags
 
-from transformer import decode, errors, files, metrics, sharding, sources
+from transformer import cli, console, decode, errors, files, metrics, sharding, sources
 from transformer.evaluation import Evaluator
-from transformer.restore import Restored, restore_for_command_line, workdir_family
+from transformer.restore import Restored, workdir_family
 
-decode.define_command_line_flags("sentences")
-flags.adopt_module_key_flags(decode)
+cli.define_command_line_flags("sentences")
+flags.adopt_module_key_flags(cli)
 flags.DEFINE_list("split", ["valid", "test"], "Splits of the run's own data to decode and score.")
 flags.DEFINE_string("input", None, "A text file of source sentences to translate instead of the splits.")
 flags.DEFINE_string("reference", None, "With --input: a line-aligned file of references to score against.")
@@ -124,16 +124,15 @@ def evaluate_masked(restored: Restored, evaluator: Evaluator) -> None:
 def main(argv):
     if len(argv) > 1:
         raise errors.ConfigError(f"unexpected arguments {argv[1:]}: every option is a --flag=value")
-    if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; --verbosity=0 shows it
-        logging.set_verbosity(logging.WARNING)
+    console.route_libraries()  # absl's records (orbax, grain, the data pipeline) in the console's format
     sharding.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     with errors.as_config_error():  # a bad flag or saved setting is named before anything is restored
         if FLAGS.input and workdir_family(FLAGS.workdir) == "encoder_only":
             raise ValueError("--input translates, and this workdir's model is encoder_only (no decoder): use "
                              "--split, or transformer.features for its encoder's outputs")
-        restored = restore_for_command_line(
+        restored = cli.restore_for_command_line(
             FLAGS.workdir, FLAGS.step, average_last=FLAGS.average_last, best=FLAGS.best, nbest=FLAGS.nbest,
-            **{name: FLAGS[name].value for name in decode.COMMAND_LINE_OVERRIDES})
+            **{name: FLAGS[name].value for name in cli.COMMAND_LINE_OVERRIDES})
     if restored.averaged_steps:
         say(f"averaged the parameters of steps {restored.averaged_steps}")
     # One search for every split: compiled once per input shape (and sampling's call count goes on).

@@ -10,9 +10,9 @@ evaluation reads; it cannot resume training). An existing, non-empty --output_wo
 
 import os
 
-from absl import app, flags, logging
+from absl import app, flags
 
-from transformer import files
+from transformer import console, files
 from transformer.restore import restore
 from transformer.workdir import CONFIG_FILE, RUN_FILE
 from transformer.checkpoint import Checkpointer
@@ -53,8 +53,7 @@ def write_averaged_workdir(workdir: str, output_workdir: str, average_last: int,
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
+    console.route_libraries()  # absl's records (orbax, grain, the data pipeline) in the console's format
     steps = write_averaged_workdir(FLAGS.workdir, FLAGS.output_workdir, FLAGS.average_last, FLAGS.step)
     print(f"wrote the average of steps {steps} to {FLAGS.output_workdir}/checkpoints/{steps[-1]}")
 

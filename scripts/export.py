@@ -44,10 +44,11 @@ import shutil
 
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import app, flags
 
-from transformer import errors
-from transformer.restore import Restored, load_workdir_config, restore_for_command_line
+from transformer import console, errors
+from transformer.cli import restore_for_command_line
+from transformer.restore import Restored, load_workdir_config
 from transformer.settings import Settings
 from transformer.model import ModelConfig, unstack_layer_params
 from transformer.tokenizer import EOS_ID, PAD_ID, UNK_ID, Tokenizer
@@ -342,8 +343,7 @@ def export(workdir: str, output: str | None = None, *, output_format: str = "hf"
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not flags.FLAGS["verbosity"].present:  # orbax logs every restore at INFO
-        logging.set_verbosity(logging.WARNING)
+    console.route_libraries()  # absl's records (orbax, grain, the data pipeline) in the console's format
     output, restored = export(FLAGS.workdir, FLAGS.output, output_format=FLAGS.format, step=FLAGS.step,
                               average_last=FLAGS.average_last, best=FLAGS.best,
                               allow_epsilon_change=FLAGS.allow_layer_norm_epsilon_change)

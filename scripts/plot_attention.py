@@ -21,10 +21,10 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import app, flags
 from flax import nnx
 
-from transformer import decode, model as model_lib
+from transformer import console, decode, model as model_lib
 from transformer.plan import model_graphdef
 from transformer.restore import Restored, restore
 
@@ -121,8 +121,7 @@ def plot_attention(restored: Restored, source: str, output_dir: str) -> dict:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
+    console.route_libraries()  # absl's records (orbax, grain, the data pipeline) in the console's format
     restored = restore(FLAGS.workdir, FLAGS.step, decode_overrides={"beam_size": FLAGS.beam_size})
     output_dir = FLAGS.output_dir or os.path.join(FLAGS.workdir, "attention")
     maps = plot_attention(restored, FLAGS.source, output_dir)

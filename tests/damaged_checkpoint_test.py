@@ -101,7 +101,7 @@ def set_aside(directory) -> list[str]:
 
 @pytest.fixture
 def warnings(caplog):
-    """The project's warnings (the "transformer" logger, which transformer.metrics keeps from the root logger)."""
+    """The project's warnings (the "transformer" logger, which transformer.console keeps from the root logger)."""
     logger = logging.getLogger("transformer")
     own = not logger.propagate  # else caplog's handler on the root logger sees them already
     if own:

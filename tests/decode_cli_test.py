@@ -109,7 +109,7 @@ def test_evaluations_beside_a_save_in_flight_keep_their_own_results_and_count_th
         long.write_text("\n".join([LINES[0], " ".join([LINES[4]] * 12), LINES[2]]) + "\n")
         result = run("eval.py", f"--workdir={workdir}", f"--input={long}")
         assert result.returncode == 0, result.stderr[-3000:]
-        assert f"{long}: 1 of 3 source sentence(s) longer than 48 tokens cut to their first 47 and EOS" in result.stdout
+        assert f"{long}: 1 of 3 source sentence(s) longer than 48 tokens cut to their first 47 and EOS" in result.stderr
         [cut] = json.loads((workdir / "eval" / "scores.long.txt.avg2_step6.greedy-extra4.json").read_text())
         assert (cut["step"], cut["inputs_cut"], cut["max_input_length"], cut["sentences"]) == (6, 1, 48, 3)
         assert len((workdir / "eval" / "long.txt.avg2_step6.greedy-extra4.txt").read_text().splitlines()) == 3

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from transformer.decode import (NEG_INF, DecodeConfig, beam_search, budget_batches, cache_blocks_for,
-                                command_line_settings, greedy_search, length_penalty, make_search, nbest_lines,
+                                greedy_search, length_penalty, make_search, nbest_lines,
                                 sampling_logits, search_ids, search_nbest, search_sentences)
 from transformer.model import (ModelConfig, Transformer, blocked_attention, dot_product_attention, to_cache_layout,
                                write_cache_rows)
@@ -372,27 +372,11 @@ def test_nbest_needs_a_scored_search_keeping_that_many(translation):
         search_nbest(make_search(graphdef, max_extra_length=4), params, tokenizer, sentences, 8, nbest=1)
 
 
-def test_decode_settings_and_command_line_flags_fail_clearly_and_share_one_default_rule():
+def test_decode_settings_fail_clearly_naming_the_key():
     with pytest.raises(ValueError, match=r"decode.top_p=1.5 must be in \[0, 1\]"):
         DecodeConfig(top_p=1.5)
     with pytest.raises(ValueError, match="decode.length_penalty='wu' must be one of"):
         DecodeConfig(length_penalty="wu")
-    saved = {"beam_size": 4, "average_last": 5, "batch_size": 64, "bleu_splits": "valid"}
-    # Unset flags (None) take the workdir's value, average_last included; --best averages nothing.
-    assert command_line_settings(saved, step=None, average_last=None, best=False, alpha=None) == (5, {})
-    assert command_line_settings(saved, step=None, average_last=None, best=True) == (0, {})
-    assert command_line_settings(saved, step=3, average_last=2, best=False, batch_size=8, nbest=4) == (
-        2, {"batch_size": 8})
-    for flags, message in [({"nbest": 5}, "--nbest=5 must be between 0 \\(off\\) and decode.beam_size=4"),
-                           ({"nbest": 2, "beam_size": 1}, "decode.beam_size=1"),
-                           ({"max_extra_length": -1}, "--max_extra_length=-1 must be >= 0"),
-                           ({"batch_size": 0}, "--batch_size=0 must be positive"),
-                           ({"average_last": -1}, "--average_last=-1 must be >= 0"),
-                           ({"best": True, "step": 3}, "--best chooses one checkpoint")]:
-        with pytest.raises(ValueError, match=message):
-            command_line_settings(saved, **{"step": None, "average_last": None, "best": False, **flags})
-    with pytest.raises(ValueError, match="decode.temperature=1.0 samples one per sentence"):
-        command_line_settings({**saved, "temperature": 1.0}, step=None, average_last=None, best=False, nbest=2)
 
 
 # ----------------------------------------------------------------------------------------------------

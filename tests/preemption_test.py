@@ -62,7 +62,7 @@ def test_sigterm_commits_the_step_exits_75_and_the_same_command_resumes_bitwise(
 
     resumed = subprocess.run(command(workdir), capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {workdir / 'checkpoints'} at step {stopped}" in resumed.stdout
+    assert f"resumed from {workdir / 'checkpoints'} at step {stopped}" in resumed.stderr
     straight = tmp_path / "straight"
     trainer.Run(make_tiny_config(**OVERRIDES), str(straight)).train()
     for a, b in zip(final_params(straight), final_params(workdir)):

@@ -39,18 +39,18 @@ def trained_workdir(tmp_path_factory):
     overrides = [f"--config.{key}={value}" for key, value in {**TINY_OVERRIDES, **RUN_OVERRIDES}.items()]
     result = run_script("train.py", f"--workdir={workdir}", *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
-    return workdir, result.stdout
+    return workdir, result.stdout, result.stderr  # the results, and the log
 
 
 def test_train_writes_checkpoints_scores_logs_and_prints_bleu(trained_workdir):
-    workdir, stdout = trained_workdir
+    workdir, stdout, log = trained_workdir
     assert "test BLEU" in stdout and "nrefs:1|case:mixed|eff:no|tok:13a" in stdout
     assert sorted(os.listdir(workdir / "checkpoints")) == ["3", "6"]
     scores = json.loads((workdir / "scores.json").read_text())
     assert scores["step"] == 6 and 0.0 <= scores["bleu"]["test"]["bleu"] <= 100.0
     records = metric_records(workdir)
     assert [r["step"] for r in records if r["split"] == "train"] == [2, 3, 4, 6]  # log and checkpoint steps
-    vocab_size = int(re.search(r"; vocab (\d+);", stdout).group(1))  # the tokenizer's, logged at the start
+    vocab_size = int(re.search(r"; vocab (\d+);", log).group(1))  # the tokenizer's, logged at the start
     assert_throughput_is_the_windows_count_over_its_seconds([r for r in records if r["split"] == "train"], vocab_size)
     assert os.listdir(workdir / "tensorboard")
     # config.json is the whole resolved config of the command line, with the vocabulary size the tokenizer has.
@@ -75,7 +75,7 @@ def tensorboard_events(directory):
 
 
 def test_the_run_writes_sample_translations_hparams_and_a_profile(trained_workdir):
-    workdir, stdout = trained_workdir
+    workdir, _, log = trained_workdir
     values = [(value.tag, value) for event in tensorboard_events(workdir / "tensorboard") for value in event.summary.value]
     samples = [value.tensor.string_val[0].decode() for tag, value in values if tag == "valid_bleu/samples/text_summary"]
     assert len(samples) == 2  # the BLEU evaluations at steps 3 and 6 (the end's are of the final parameters)
@@ -86,7 +86,7 @@ def test_the_run_writes_sample_translations_hparams_and_a_profile(trained_workdi
     scores = json.loads((workdir / "scores.json").read_text())
     assert final == pytest.approx({f"final/{split}_bleu": score["bleu"] for split, score in scores["bleu"].items()})
     traces = [name for _, _, names in os.walk(workdir / "profile") for name in names if name.endswith(".xplane.pb")]
-    assert len(traces) == 1 and "profiled steps 4-5" in stdout
+    assert len(traces) == 1 and "profiled steps 4-5" in log
 
 
 def assert_throughput_is_the_windows_count_over_its_seconds(records, vocab_size):
@@ -111,7 +111,7 @@ def assert_throughput_is_the_windows_count_over_its_seconds(records, vocab_size)
 
 
 def test_eval_restores_the_checkpoint_and_scores_a_split_and_a_file(trained_workdir, tmp_path):
-    workdir, _ = trained_workdir
+    workdir, *_ = trained_workdir
     (tmp_path / "in.txt").write_text("The black cat sleeps in the garden.\n\nTwo wolves are sad.\n")
     (tmp_path / "ref.txt").write_text("El gato negro duerme en el jardín.\nX\nDos lobos están tristes.\n")
     result = run_script("eval.py", f"--workdir={workdir}", "--step=3", "--split=test")
@@ -173,7 +173,7 @@ def test_a_stopped_and_resumed_run_sees_the_same_batches_and_ends_with_the_same_
 
 
 def test_resuming_with_another_config_is_refused_and_the_workdir_left_untouched(trained_workdir):
-    workdir, _ = trained_workdir
+    workdir, *_ = trained_workdir
     before = tree_digest(workdir)
     with pytest.raises(ValueError, match=r"model.mlp_dim: 64 -> 48.*seed: 0 -> 1"):
         trainer.Run(make_tiny_config(**{"model.mlp_dim": 48, "seed": 1}), str(workdir))
@@ -182,7 +182,7 @@ def test_resuming_with_another_config_is_refused_and_the_workdir_left_untouched(
 
 def test_a_checkpoint_of_another_model_shape_is_refused_and_left_untouched(trained_workdir, tmp_path):
     """A workdir whose config.json was lost or replaced still cannot load a mismatched checkpoint."""
-    workdir, _ = trained_workdir
+    workdir, *_ = trained_workdir
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-r", str(workdir), str(copy)], check=True)
     config = make_tiny_config(**{"model.mlp_dim": 48})
@@ -228,7 +228,7 @@ def test_misaligned_and_empty_text_files_are_named(tmp_path):
 
 
 def test_eval_averages_checkpoints_with_beam_search_and_writes_all_scores(trained_workdir, tmp_path):
-    workdir, _ = trained_workdir
+    workdir, *_ = trained_workdir
     # No --average_last: eval.py averages as many as the run's decode.average_last says (5 in configs/base.py, the
     # paper's method), here set to 2 in a copy of the workdir.
     run = tmp_path / "run"
@@ -252,7 +252,7 @@ def test_eval_averages_checkpoints_with_beam_search_and_writes_all_scores(traine
 
 
 def test_averaging_more_checkpoints_than_kept_or_an_empty_workdir_fails_clearly(trained_workdir, tmp_path):
-    workdir, _ = trained_workdir
+    workdir, *_ = trained_workdir
     with pytest.raises(ValueError, match=r"average the last 3 checkpoints up to step 6, but .* holds only 2 "
                                          r"\(steps \[3, 6\]\)"):
         restore(str(workdir), average_last=3)
@@ -267,7 +267,7 @@ def test_averaging_more_checkpoints_than_kept_or_an_empty_workdir_fails_clearly(
 
 
 def test_the_averaging_script_writes_a_workdir_that_restores_to_the_average(trained_workdir, tmp_path):
-    workdir, _ = trained_workdir
+    workdir, *_ = trained_workdir
     script = load_script("average_checkpoints")
     assert script.write_averaged_workdir(str(workdir), str(tmp_path / "avg"), 2) == [3, 6]
     restored, expected = restore(str(tmp_path / "avg")), restore(str(workdir), average_last=2)
@@ -279,7 +279,7 @@ def test_the_averaging_script_writes_a_workdir_that_restores_to_the_average(trai
 
 
 def test_translate_cli_round_trip(trained_workdir, tmp_path):
-    workdir, _ = trained_workdir
+    workdir, *_ = trained_workdir
     lines = ["The black cat sleeps in the garden.", "", "Two wolves are sad.", "The cat sleeps."]
     command = [sys.executable, "-m", "transformer.translate", f"--workdir={workdir}", "--batch_size=3",
                "--beam_size=2"]
@@ -309,7 +309,7 @@ def test_the_best_checkpoint_is_chosen_by_dev_bleu(trained_workdir):
 
 @pytest.mark.slow  # matplotlib and a decode of its own: ~10 s
 def test_the_plot_script_writes_pngs_of_attention_rows_that_sum_to_one(trained_workdir, tmp_path):
-    workdir, _ = trained_workdir
+    workdir, *_ = trained_workdir
     script = load_script("plot_attention")
     maps = script.plot_attention(restore(str(workdir)), "The black cat sleeps.", str(tmp_path))
     for name in ("cross_attention.png", "decoder_self_attention.png"):
@@ -380,7 +380,7 @@ def test_a_report_mark_scores_the_averaged_checkpoints_then_training_goes_on(tmp
 
 
 def test_run_json_records_the_batch_and_each_starts_provenance(trained_workdir):
-    workdir, _ = trained_workdir
+    workdir, *_ = trained_workdir
     record = json.loads((workdir / "run.json").read_text())
     assert record["batch"] == {"rows": 8, "row_length": 48}  # 384 tokens of 48
     start = record["starts"][0]

@@ -25,7 +25,6 @@ import contextlib
 import errno
 import fnmatch
 import json
-import logging
 import os
 import re
 import time
@@ -38,12 +37,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from transformer.console import log
 from transformer import errors
 from transformer import files
 from transformer.workdir import BEST_CHECKPOINT_DIR, CHECKPOINTS_DIR, PARAMS_DIR
 
 PyTree = Any
-log = logging.getLogger("transformer")  # the trainer's console logger (transformer.metrics sets its handler)
 DAMAGED_MARK = ".damaged-"  # <step>.damaged-<time>: not a step name to Orbax (digits only), so never listed
 
 

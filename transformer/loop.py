@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from transformer import optim
-from transformer.metrics import log
+from transformer.console import log
 from transformer.steps import summarize
 
 # EX_TEMPFAIL from sysexits.h: a requeue script re-runs the same command on this status, which resumes the run.

@@ -10,7 +10,7 @@ from typing import Any
 
 from flax import nnx
 
-from transformer import checkpoint, data, decode, files, sharding
+from transformer import checkpoint, data, files, sharding
 from transformer import workdir as workdirs
 from transformer.checkpoint import Checkpointer
 from transformer.model import ModelConfig
@@ -122,22 +122,10 @@ def restore(workdir: str, step: int | None = None, *, average_last: int = 0, bes
                     averaged if len(averaged) > 1 else [], best, mesh, sharding.batch_sharding(mesh, mesh_config))
 
 
-def restore_for_command_line(workdir: str, step: int | None, *, average_last: int | None, best: bool, nbest: int,
-                             **decode_flags) -> Restored:
-    """eval.py's and translate's one rule: every decoding flag left unset (None) takes the workdir config's decode
-    value (decode.command_line_settings); a ValueError names a bad flag before anything is restored."""
-    average_last, overrides = decode.command_line_settings(load_workdir_config(workdir).get("decode", {}), step=step,
-                                                           average_last=average_last, best=best, nbest=nbest,
-                                                           **decode_flags)
-    return restore(workdir, step, average_last=average_last, best=best, decode_overrides=overrides)
-
-
 def workdir_tokenizer(workdir: str, settings: Settings) -> Tokenizer:
-    """The run's own vocabulary: its copy in the workdir (data.vocab_path's, for workdirs written before the copy),
-    refused unless it is the one run.json recorded."""
+    """The run's own vocabulary: its copy in the workdir (of data.vocab_path's, if the run named one), refused unless
+    it is the one run.json recorded."""
     path = os.path.join(workdir, workdirs.VOCABULARY_FILE)
-    if not files.exists(path) and settings.data.vocab_path:
-        path = settings.data.vocab_path
     workdirs.check_vocabulary(workdirs.read_run_file(workdir).get("vocabulary"), path)
     local = os.path.join(files.local_directory(workdir, settings.data.local_cache_dir), workdirs.VOCABULARY_FILE)
     return data.local_tokenizer(path, local if not files.is_local(path) else path)

@@ -15,11 +15,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from transformer import config_files, data, files, loop, metrics, sharding, throughput
+from transformer import config_files, console, data, files, loop, metrics, sharding, throughput
 from transformer import workdir as workdirs
 from transformer.checkpoint import RunCheckpoints, abstract_like
 from transformer.evaluation import Evaluator, RunEvaluation, router_line
-from transformer.metrics import log
+from transformer.console import log
 from transformer.plan import batch_ways, count_params, create_train_state, make_plan, make_steps, plan_batch, \
     recorded_batch
 from transformer.restore import load_workdir_config
@@ -123,7 +123,7 @@ class Run:
         self.config, self.workdir = config_files.plain(config), workdir
         self.is_writer = jax.process_index() == 0
         if not self.is_writer:  # one console: process 0's, from the first line on
-            log.setLevel("WARNING")
+            console.only_warnings()
         self.settings = Settings.from_config(config)
         if files.exists(workdir) and not files.is_dir(workdir):
             raise NotADirectoryError(f"--workdir={workdir} exists and is not a directory")

@@ -21,15 +21,15 @@ import sys
 from collections.abc import Iterator
 from typing import TextIO
 
-from absl import app, flags, logging
+from absl import app, flags
 
 import jax
 
-from transformer import decode, errors, files, sharding
-from transformer.restore import Restored, restore_for_command_line, workdir_family
+from transformer import cli, console, decode, errors, files, sharding
+from transformer.restore import Restored, workdir_family
 
-decode.define_command_line_flags("lines")
-flags.adopt_module_key_flags(decode)
+cli.define_command_line_flags("lines")
+flags.adopt_module_key_flags(cli)
 flags.DEFINE_integer("batch_size", None, "Lines translated together, rounded up to whole rows per device; output "
                      "is written after each batch (default: the config's decode.batch_size).")
 flags.DEFINE_integer("nbest", 0, "Write the N best hypotheses of each line (N <= beam size) in Moses' n-best "
@@ -77,8 +77,7 @@ def translate_stream(restored: Restored, lines: TextIO, out: TextIO, batch_size:
 def main(argv):
     if len(argv) > 1:
         raise errors.ConfigError(f"unexpected arguments {argv[1:]}: every option is a --flag=value")
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
+    console.route_libraries()  # absl's records (orbax, grain, the data pipeline) in the console's format
     sharding.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     if jax.process_count() > 1 and not FLAGS.input:
         raise errors.ConfigError("several processes read the same lines: give them --input (a file), not stdin")
@@ -86,9 +85,9 @@ def main(argv):
         if workdir_family(FLAGS.workdir) == "encoder_only":
             raise ValueError(f"{FLAGS.workdir} holds an encoder_only model, which has no decoder to translate with "
                              "(eval.py scores its masked tokens; transformer.features gives its encoder's outputs)")
-        restored = restore_for_command_line(
+        restored = cli.restore_for_command_line(
             FLAGS.workdir, FLAGS.step, average_last=FLAGS.average_last, best=FLAGS.best, nbest=FLAGS.nbest,
-            **{name: FLAGS[name].value for name in decode.COMMAND_LINE_OVERRIDES})
+            **{name: FLAGS[name].value for name in cli.COMMAND_LINE_OVERRIDES})
     source = files.open_file(FLAGS.input) if FLAGS.input else sys.stdin
     out = files.open_file(FLAGS.output, "w") if FLAGS.output and jax.process_index() == 0 else sys.stdout
     try:

@@ -43,7 +43,6 @@ import datetime
 import errno
 import hashlib
 import json
-import logging
 import os
 import socket
 import sys
@@ -56,6 +55,7 @@ import jax
 import numpy as np
 from etils import epath
 
+from transformer.console import log
 from transformer import files
 from transformer.errors import ReportedError
 from transformer.files import temporary_path, write_all, exists, is_local, make_dirs, open_file, read_bytes, write_bytes
@@ -70,7 +70,6 @@ CHECKPOINTS_DIR = "checkpoints"  # the train states
 PARAMS_DIR = "params"  # params snapshots of the last decode.average_last checkpoints, for averaging
 BEST_CHECKPOINT_DIR = "best_checkpoint"  # the params of the best dev BLEU (train.keep_best_checkpoint)
 
-log = logging.getLogger("transformer")  # the console logger that transformer.metrics sets up
 
 
 class WorkdirInUseError(ReportedError, RuntimeError):
