@@ -93,8 +93,7 @@ def evaluate(restored: Restored, evaluator: Evaluator, name: str, source_sentenc
               "tokens_per_second": output_tokens / max(seconds, 1e-9)}
     if nbest:
         result["nbest"], result["nbest_output"] = nbest, nbest_path(output_path, nbest)
-        write_lines(result["nbest_output"], decode.nbest_lines([h[:nbest] for h in decoded.hypotheses],
-                                                               restored.tokenizer))
+        write_lines(result["nbest_output"], decode.nbest_lines(decoded.nbest(nbest), restored.tokenizer))
     if references is not None:
         result.update(metrics.all_scores(hypotheses, references, target_lang=restored.settings.data.target_lang))
         say(f"{name} BLEU {result['bleu']:.2f}  {result['signature']}")

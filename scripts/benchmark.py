@@ -313,7 +313,7 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
     if flags.FLAGS.decode_all_devices:
         from transformer import sharding
         batch_sharding = decode.batch_sharding_for()
-        if decode.rows_per_batch(batch, batch_sharding) != batch:
+        if decode.device_rows(batch, batch_sharding) != batch:
             raise app.UsageError(f"--batch={batch} cannot be split into whole rows over {jax.device_count()} devices")
         inputs = sharding.place_batch({"inputs": inputs}, batch_sharding)["inputs"]
     # Every sentence may produce source_length + max_extra_length = new_tokens tokens, and without early stopping

@@ -61,8 +61,9 @@ def recorded_attention():
 
 def attention_maps(restored: Restored, source: str) -> dict:
     """Translate `source`; its tokens and the attention weights of a teacher-forced pass over the translation."""
-    [target_ids] = decode.search_ids(restored.search_fn(), restored.params, restored.tokenizer, [source], 1,
-                                     restored.model_config.position_limit)
+    search = restored.settings.decode.search_fn(restored.graphdef, restored.settings.seed)
+    [target_ids] = decode.search_sentences(search, restored.params, restored.tokenizer, [source], 1,
+                                           restored.model_config.position_limit).best_ids()
     if not len(target_ids):
         raise ValueError("the source sentence is empty: there is nothing to attend to")
     [source_ids] = restored.tokenizer.encode([source])

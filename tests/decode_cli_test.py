@@ -56,7 +56,7 @@ def test_eval_and_translate_write_the_same_nbest_list_with_the_config_defaults(w
     restored = restore(str(workdir), average_last=2, decode_overrides=dict(
         beam_size=2, length_penalty="fairseq", alpha=1.0, max_extra_length=2))
     search = restored.settings.decode.search_fn(restored.graphdef, restored.settings.seed)
-    found = decode.search_nbest(search, restored.params, restored.tokenizer, LINES, 5, nbest=2)
+    found = decode.search_sentences(search, restored.params, restored.tokenizer, LINES, 5).nbest(2)
     assert nbest == decode.nbest_lines(found, restored.tokenizer)
     assert best == [restored.tokenizer.decode(h[0].ids) if h else "" for h in found] and best[1] == ""
     for ids, hypotheses in zip(restored.tokenizer.encode(LINES), found):

@@ -189,7 +189,8 @@ def our_greedy(restored, sentences, max_extra_length):
     """Our greedy translations (ids, EOS included) and each one's limit: up to the (cut) source's length +
     max_extra_length tokens, EOS forced at the last."""
     search = decode.make_search(restored.graphdef, max_extra_length=max_extra_length, beam_size=1)
-    ours = decode.search_ids(search, restored.params, restored.tokenizer, sentences, 8, restored.input_bound)
+    ours = decode.search_sentences(search, restored.params, restored.tokenizer, sentences, 8,
+                                   restored.input_bound).best_ids()
     limits = [min(len(x), restored.input_bound) + max_extra_length for x in restored.tokenizer.encode(sentences)]
     return ours, limits
 

@@ -13,7 +13,7 @@ import jax
 import pytest
 
 from transformer import data, sharding
-from transformer.plan import BatchShape, batch_ways, plan_batch, startup_plan
+from transformer.plan import BatchShape, plan_batch, rows_multiple, startup_plan
 from transformer.settings import Settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +39,7 @@ def test_the_paper_configs_keep_about_25k_tokens_wherever_whole_rows_allow(name)
                     continue
                 shape = dict(zip(sharding.MESH_AXES,
                                  sharding.mesh_shape(settings_of(name, **mesh).mesh.sizes, devices)))
-                ways = batch_ways(settings_of(name, **mesh), shape, processes=hosts)
+                ways = rows_multiple(settings_of(name, **mesh), shape, processes=hosts)
                 batch, note = plan_batch(settings.data, ways)
                 assert batch.rows % ways == 0 and batch.row_length == asked.row_length
                 assert (note is None) == (batch == asked)  # a changed budget is always said

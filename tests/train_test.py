@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 from tiny import TINY_OVERRIDES, load_script, make_tiny_config, metric_records, tree_digest
-from transformer import decode, throughput, trainer
+from transformer import decode, sharding, throughput, trainer
 from transformer.checkpoint import CheckpointMismatchError
 from transformer.sources import DataError
 from transformer.tokenizer import VocabularyError
@@ -138,12 +138,12 @@ def final_params(workdir):
 def recorder(monkeypatch):
     """Records a digest of every batch the trainer places on the devices (prefetch reads up to 2 ahead)."""
     seen = []
-    place = trainer.place_batch
+    place = sharding.place_local_batch
 
     def record(batch, batch_sharding):
         seen.append(tree_digest_of(batch))
         return place(batch, batch_sharding)
-    monkeypatch.setattr(trainer, "place_batch", record)
+    monkeypatch.setattr(sharding, "place_local_batch", record)
     return seen
 
 
@@ -289,12 +289,14 @@ def test_translate_cli_round_trip(trained_workdir, tmp_path):
     output = result.stdout.split("\n")
     assert len(output) == 5 and output[1] == "" and output[4] == ""  # aligned; the empty line stays empty
     restored = restore(str(workdir), decode_overrides={"beam_size": 2})
-    expected = decode.translate(restored.search_fn(), restored.params, restored.tokenizer, lines, 3)
+    search = restored.settings.decode.search_fn(restored.graphdef, restored.settings.seed)
+    expected = decode.search_sentences(search, restored.params, restored.tokenizer, lines, 3).translations(
+        restored.tokenizer)
     assert output[:4] == expected
 
 
 def test_the_best_checkpoint_is_chosen_by_dev_bleu(trained_workdir):
-    workdir, _ = trained_workdir
+    workdir, *_ = trained_workdir
     records = metric_records(workdir)
     valid = {r["step"]: r["bleu"] for r in records if r["split"] == "valid_bleu"}
     assert sorted(valid) == [3, 6]  # test BLEU is logged too, but never chooses

@@ -25,7 +25,7 @@ log-probability / lp(limit_i): for alpha >= 0 both penalties are positive and gr
 log-probability, <= 0, only falls, so no extension can score above it). beam_size 1 is greedy search.
 
 Sampling (temperature > 0, then top_k, then top_p) is reproducible and fresh at once: sentence i of the c-th
-call of `search_ids`/`translate` on one `Search` (c counts from 0; `call=` pins it) draws position t with
+call of `search_sentences` on one `Search` (c counts from 0; `call=` pins it) draws position t with
 the key fold_in(fold_in(fold_in(key(seed), c), i), t), i being the sentence's index in that call's list. The
 samples then depend on neither the batch size, nor the number of devices or processes, nor the other sentences.
 
@@ -404,7 +404,7 @@ class Search:
     [batch, hypotheses]), best first, each sequence ending with EOS (all zeros in an empty slot); streams [batch,
     2] (call, sentence index) seed sampling (module docstring). `search(params, inputs)` -> the best sequences.
     scored: the scores are real (beam search, or make_search(scores=True)); else zeros. calls: the index of
-    the next search_ids/translate call, which advances it.
+    the next search_sentences call, which advances it.
     """
 
     run: Callable[[PyTree, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
@@ -467,7 +467,7 @@ def batch_sharding_for(params: PyTree = None) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(axes))
 
 
-def batch_ways(batch_sharding: NamedSharding) -> int:
+def row_ways(batch_sharding: NamedSharding) -> int:
     """How many ways batch_sharding splits a batch's rows (the product of its first dimension's mesh axes)."""
     spec = tuple(batch_sharding.spec)
     axes = spec[0] if spec else None
@@ -475,11 +475,11 @@ def batch_ways(batch_sharding: NamedSharding) -> int:
     return math.prod(batch_sharding.mesh.shape[name] for name in names)
 
 
-def rows_per_batch(batch_size: int, batch_sharding: NamedSharding) -> int:
+def device_rows(batch_size: int, batch_sharding: NamedSharding) -> int:
     """batch_size rounded up to a multiple of the ways batch_sharding splits rows: every device gets whole rows."""
     if batch_size <= 0:
         raise ValueError(f"decode batch size {batch_size} must be positive")
-    ways = batch_ways(batch_sharding)
+    ways = row_ways(batch_sharding)
     return -(-batch_size // ways) * ways
 
 
@@ -583,11 +583,15 @@ def _hypotheses(sequences: np.ndarray, scores: np.ndarray, log_probs: np.ndarray
 
 @dataclasses.dataclass(frozen=True)
 class Decoded:
-    """What search_sentences found: each sentence's finished hypotheses, best first (none for an empty sentence),
-    in input order, and the line numbers (from 1) of the inputs cut to the bound (their translations count)."""
+    """What search_sentences found: each sentence's finished hypotheses, best first (beam search's up to beam_size,
+    else one; none for an empty sentence), in input order, and the line numbers (from 1) of the inputs cut to the
+    bound (their translations count). `scored`, `kept`: whether the search scored its hypotheses, and how many it
+    keeps per sentence (what an n-best list may ask for)."""
 
     hypotheses: list[list[Hypothesis]]
     cut_lines: list[int]
+    scored: bool = False
+    kept: int = 1
 
     @property
     def cut(self) -> int:
@@ -598,7 +602,18 @@ class Decoded:
         return [found[0].ids if found else np.zeros((0,), np.int32) for found in self.hypotheses]
 
     def translations(self, tokenizer: Tokenizer) -> list[str]:
+        """Each sentence's best hypothesis as text; empty for an empty sentence."""
         return [tokenizer.decode(ids) for ids in self.best_ids()]
+
+    def nbest(self, n: int) -> list[list[Hypothesis]]:
+        """The `n` best finished hypotheses of each sentence (fewer where the search finished fewer), best first;
+        n-best lists need a scored search that keeps at least n."""
+        if not self.scored:
+            raise ValueError("n-best lists need a scored Search (beam search, or make_search(..., scores=True))")
+        if not 1 <= n <= self.kept:
+            raise ValueError(f"nbest={n} must be between 1 and the {self.kept} hypotheses the search keeps "
+                             "(decode.beam_size)")
+        return [found[:n] for found in self.hypotheses]
 
 
 def search_sentences(search: Search | Callable, params: PyTree, tokenizer: Tokenizer, sentences: list[str],
@@ -612,14 +627,15 @@ def search_sentences(search: Search | Callable, params: PyTree, tokenizer: Token
     the devices, are split over batch_sharding (default: batch_sharding_for(params)); with several processes
     each places its own rows, and every process gets every hypothesis. call: sampling's call index (default: the
     next)."""
+    scored, kept = (search.scored, search.hypotheses) if isinstance(search, Search) else (False, 1)
     if not sentences:
-        return Decoded([], [])
+        return Decoded([], [], scored, kept)
     inputs, cut = encode_inputs(tokenizer, sentences, max_input_length, name)
     batch_sharding = batch_sharding_for(params) if batch_sharding is None else batch_sharding
     run, call = _runner(search, call)
     pending = []
-    for indices, batch in budget_batches(inputs, rows_per_batch(batch_size, batch_sharding),
-                                         batch_ways(batch_sharding), max_tokens_per_batch):
+    for indices, batch in budget_batches(inputs, device_rows(batch_size, batch_sharding), row_ways(batch_sharding),
+                                         max_tokens_per_batch):
         streams = np.stack([np.full(len(indices), call), indices], axis=1).astype(np.int32)
         placed = sharding.place_batch({"inputs": batch, "streams": streams}, batch_sharding)
         pending.append((indices, run(params, placed["inputs"], placed["streams"])))  # dispatched, not awaited
@@ -632,51 +648,7 @@ def search_sentences(search: Search | Callable, params: PyTree, tokenizer: Token
         for index, *row in zip(indices, sequences, scores, log_probs):
             if index >= 0 and sentences[index].strip():
                 results[index] = _hypotheses(*row)
-    return Decoded(results, cut)
-
-
-def search_hypotheses(search: Search | Callable, params: PyTree, tokenizer: Tokenizer, sentences: list[str],
-                      batch_size: int, max_input_length: int | None = None, **options) -> list[list[Hypothesis]]:
-    """Each sentence's finished hypotheses, best first (beam search's up to beam_size, else one), in input order;
-    none for an empty sentence. options: search_sentences' keywords (name, max_tokens_per_batch, batch_sharding,
-    call)."""
-    return search_sentences(search, params, tokenizer, sentences, batch_size, max_input_length, **options).hypotheses
-
-
-def search_ids(search: Search | Callable, params: PyTree, tokenizer: Tokenizer, sentences: list[str],
-               batch_size: int, max_input_length: int | None = None, **options) -> list[np.ndarray]:
-    """The output ids of each sentence's best hypothesis (up to and including EOS), in input order; empty for
-    an empty sentence. See search_sentences."""
-    return search_sentences(search, params, tokenizer, sentences, batch_size, max_input_length, **options).best_ids()
-
-
-def translate(search: Search | Callable, params: PyTree, tokenizer: Tokenizer, sentences: list[str],
-              batch_size: int, max_input_length: int | None = None, **options) -> list[str]:
-    """Translate sentences in length-sorted batches with a `Search` (or any jitted `search(params, inputs)`);
-    keeps input order; the same list on every process. An empty sentence gets an empty translation. Inputs
-    longer than `max_input_length` are cut to it, keeping their EOS, with a warning. options: see
-    search_sentences.
-    """
-    return search_sentences(search, params, tokenizer, sentences, batch_size, max_input_length,
-                            **options).translations(tokenizer)
-
-
-def search_nbest(search: Search, params: PyTree, tokenizer: Tokenizer, sentences: list[str], batch_size: int,
-                 max_input_length: int | None = None, *, nbest: int, **options) -> list[list[Hypothesis]]:
-    """The `nbest` best finished hypotheses of each sentence (fewer where the search finished fewer; none for an
-    empty sentence), best first, from a scored Search. options: see search_sentences."""
-    _check_nbest_search(search, nbest)
-    found = search_hypotheses(search, params, tokenizer, sentences, batch_size, max_input_length, **options)
-    return [hypotheses[:nbest] for hypotheses in found]
-
-
-def _check_nbest_search(search: Search, nbest: int) -> None:
-    """n-best lists need a scored Search that keeps at least nbest hypotheses."""
-    if not isinstance(search, Search) or not search.scored:
-        raise ValueError("n-best lists need a scored Search (beam search, or make_search(..., scores=True))")
-    if not 1 <= nbest <= search.hypotheses:
-        raise ValueError(f"nbest={nbest} must be between 1 and the {search.hypotheses} hypotheses the search keeps "
-                         "(decode.beam_size)")
+    return Decoded(results, cut, scored, kept)
 
 
 def nbest_lines(nbest: list[list[Hypothesis]], tokenizer: Tokenizer, first_index: int = 0) -> list[str]:

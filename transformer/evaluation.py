@@ -18,7 +18,7 @@ import numpy as np
 
 from transformer import data, decode, files, metrics, sharding
 from transformer.model import ROUTER_STATS, ModelConfig
-from transformer.plan import batch_ways, plan_batch
+from transformer.plan import plan_batch, rows_multiple
 from transformer.settings import Settings
 from transformer.steps import eval_step, summarize
 from transformer.tokenizer import Tokenizer
@@ -76,7 +76,7 @@ class Evaluator:
         """A restored model's (restore.Restored): its eval loss in batches of the rows its run's plan gives this
         mesh, so that the same tokens are masked as in the run's own evaluation of a split."""
         settings = restored.settings
-        rows = plan_batch(settings.data, batch_ways(settings, restored.mesh.shape))[0].rows
+        rows = plan_batch(settings.data, rows_multiple(settings, restored.mesh.shape))[0].rows
         return cls(settings, restored.model_config, restored.graphdef, restored.tokenizer, restored.batch_sharding,
                    rows, data.SplitPairs(settings.data), scores=scores)
 
@@ -95,9 +95,9 @@ class Evaluator:
         """An encoder_only model's scores on a split as eval.py reports them: masked-token loss, accuracy and
         perplexity (`loss`), the masked tokens, and the pairs scored and left out for length."""
         summary = self.loss(params, split)
-        kept = len(self.splits[split][1])
+        kept, pairs = len(self.splits[split][1]), len(self.pairs[split])
         return {"loss": summary["loss"], "accuracy": summary["accuracy"], "perplexity": summary["perplexity"],
-                "masked_tokens": summary["target_tokens"], "pairs": kept, "pairs_too_long": len(self.pairs[split]) - kept}
+                "masked_tokens": summary["target_tokens"], "pairs": kept, "pairs_too_long": pairs - kept}
 
     def translate(self, params, sentences: list[str], name: str | None) -> Translations:
         """Every sentence decoded (each one finishes: a source past the input bound is cut to it, with one warning

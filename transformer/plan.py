@@ -139,9 +139,9 @@ class Plan:
                 for key, x in shapes.items()}
 
 
-def batch_ways(settings: Settings, mesh_shape, processes: int | None = None) -> int:
-    """What the rows of a batch must split by: each microbatch over the batch axes of `mesh_shape` (a Mesh's
-    .shape, or any axis -> size mapping), and over the processes."""
+def rows_multiple(settings: Settings, mesh_shape, processes: int | None = None) -> int:
+    """What the rows of a training batch must be a multiple of: each microbatch over the batch axes of `mesh_shape`
+    (a Mesh's .shape, or any axis -> size mapping), and over the processes."""
     processes = jax.process_count() if processes is None else processes
     return math.lcm(sharding.batch_axis_size(mesh_shape, settings.mesh) * settings.train.num_microbatches, processes)
 
@@ -150,7 +150,7 @@ def startup_plan(settings: Settings, recorded: BatchShape | None = None) -> tupl
     """The plan train.py builds for `settings` on this machine's devices, with the vocabulary size it would have
     (data.vocab_path's, else data.vocab_size), before any data is read; and the batch note, if any."""
     mesh = sharding.make_mesh(settings.mesh)
-    batch, note = plan_batch(settings.data, batch_ways(settings, mesh.shape), recorded)
+    batch, note = plan_batch(settings.data, rows_multiple(settings, mesh.shape), recorded)
     vocab_size = Tokenizer(settings.data.vocab_path).vocab_size if settings.data.vocab_path else settings.data.vocab_size
     return make_plan(settings, vocab_size, mesh, batch), note
 

@@ -55,9 +55,6 @@ class Restored:
             return f"avg{len(self.averaged_steps)}_step{self.step}"
         return f"best_step{self.step}" if self.best else f"step{self.step}"
 
-    def search_fn(self):
-        return self.settings.decode.search_fn(self.graphdef, self.settings.seed)
-
     @property
     def input_bound(self) -> int:
         """Sources past this many tokens are cut (decode.max_input_length, by default the training max_length)."""

@@ -82,11 +82,6 @@ class TrainConfig:
         return marks
 
 
-# The config's sections and the dataclass each is read into (Settings.from_config).
-SECTIONS = {"data": data.DataConfig, "model": ModelConfig, "optimizer": OptimizerConfig, "train": TrainConfig,
-            "decode": decode.DecodeConfig, "mesh": sharding.MeshConfig}
-
-
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """The whole resolved configuration, typed. vocab_size is not here: it comes from the tokenizer."""
@@ -102,23 +97,21 @@ class Settings:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "Settings":
         config = config_files.plain(config)
+        # An unknown key is named with the nearest known ones rather than dropped: checked against configs/default.py,
+        # the one schema, which has every field of the sections' dataclasses (but the model's vocab_size and seed).
+        defaults = config_files.default_values()
+        keys = [f"{name}.{key}" if isinstance(values, Mapping) and name in defaults else name
+                for name, values in config.items() for key in (values if isinstance(values, Mapping) else [None])]
+        problems = list(dict.fromkeys(problem for key in keys if (problem := config_files.unknown_key(defaults, key))))
+        if problems:
+            raise errors.ConfigError("; ".join(problems))
 
         def build(kind, section, **extra):
-            values = config.get(section, {})
-            known = [f.name for f in dataclasses.fields(kind) if f.name not in extra]
-            unknown = sorted(set(values) - set(known))
-            if unknown:  # name it, with the nearest known keys, rather than drop it
-                raise errors.ConfigError("; ".join(f"unknown config key config.{section}.{key}" + errors.did_you_mean(
-                    key, known, f"config.{section}.") for key in unknown))
             with errors.as_config_error():
-                return kind(**values, **extra)
+                return kind(**config.get(section, {}), **extra)
 
         model = config.get("model", {})
         shapes = build(ModelConfig, "model", vocab_size=1, seed=0)  # validates shapes before any data work
-        unknown = sorted(set(config.keys()) - {"seed", *SECTIONS})
-        if unknown:
-            raise errors.ConfigError("; ".join(f"unknown top-level config key config.{key}" + errors.did_you_mean(
-                key, ["seed", *SECTIONS], "config.") for key in unknown))
         settings = cls(seed=int(config.get("seed", 0)), data=build(data.DataConfig, "data"), model=model,
                        optimizer=build(OptimizerConfig, "optimizer"), train=build(TrainConfig, "train"),
                        decode=build(decode.DecodeConfig, "decode"), mesh=build(sharding.MeshConfig, "mesh"))

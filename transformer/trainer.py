@@ -18,10 +18,10 @@ import numpy as np
 from transformer import config_files, console, data, files, loop, metrics, sharding, throughput
 from transformer import workdir as workdirs
 from transformer.checkpoint import RunCheckpoints, abstract_like
-from transformer.evaluation import Evaluator, RunEvaluation, router_line
 from transformer.console import log
-from transformer.plan import batch_ways, count_params, create_train_state, make_plan, make_steps, plan_batch, \
-    recorded_batch
+from transformer.evaluation import Evaluator, RunEvaluation, router_line
+from transformer.plan import count_params, create_train_state, make_plan, make_steps, plan_batch, recorded_batch, \
+    rows_multiple
 from transformer.restore import load_workdir_config
 from transformer.settings import Settings, check_resume_config, flatten, saved_config
 from transformer.steps import TrainState
@@ -81,12 +81,6 @@ def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
     return Corpus(tokenizer, pairs, valid, valid_filter.kept, cache, length_filter.kept, source)
 
 
-def place_batch(local_batch: dict[str, np.ndarray], batch_sharding) -> dict[str, jax.Array]:
-    """The one place training batches meet the devices: this process's rows -> global arrays split over the
-    mesh's batch axes."""
-    return sharding.place_local_batch(local_batch, batch_sharding)
-
-
 def batches_with_states(iterator) -> Iterator[tuple[dict, bytes]]:
     """(batch, the iterator's state right after it): the state a checkpoint of that batch's step saves."""
     while True:
@@ -96,10 +90,11 @@ def batches_with_states(iterator) -> Iterator[tuple[dict, bytes]]:
 
 def prefetch_to_device(batches: Iterator[tuple[dict, Any]], batch_sharding, size: int = 2
                        ) -> Iterator[tuple[dict, Any]]:
-    """Keep `size` batches in flight to the devices while the current step runs; passes each one's state on."""
+    """Keep `size` batches in flight to the devices while the current step runs; passes each one's state on. The one
+    place training batches meet the devices: this process's rows -> global arrays split over the batch axes."""
     queue: deque = deque()
     for batch, state in batches:
-        queue.append((place_batch(batch, batch_sharding), state))
+        queue.append((sharding.place_local_batch(batch, batch_sharding), state))
         if len(queue) >= size:
             yield queue.popleft()
     yield from queue
@@ -144,7 +139,7 @@ class Run:
                 log.info("resuming with a changed setting: %s", change)
         # The mesh and the batch are settled before any data work, so a batch that cannot split fails at once.
         self.mesh = sharding.make_mesh(settings.mesh)
-        self.batch, note = plan_batch(settings.data, batch_ways(settings, self.mesh.shape),
+        self.batch, note = plan_batch(settings.data, rows_multiple(settings, self.mesh.shape),
                                       recorded_batch(workdir) if resuming else None)
         if note:
             log.warning("%s", note)
@@ -156,7 +151,8 @@ class Run:
         tokenizer = self.corpus.tokenizer
         self.plan = make_plan(settings, tokenizer.vocab_size, self.mesh, self.batch)
         self.checkpoints = RunCheckpoints(workdir, every=train.checkpoint_every_steps, keep=train.keep_checkpoints,
-                                          use_async=train.async_checkpointing, average_last=settings.decode.average_last,
+                                          use_async=train.async_checkpointing,
+                                          average_last=settings.decode.average_last,
                                           before_save=lambda: workdirs.check_workdir_lock(self.lock))
         self.state, self.data_state = self._restore_or_init()  # the data state: the data iterator's, restored
         if train.keep_best_checkpoint:
@@ -275,7 +271,8 @@ class Loop:
             self.preemption, self.budget, loop.TimedCheckpoint(config.checkpoint_every_minutes), self.cooldown,
             self.marks, loop.Every(config.eval_every_steps, lambda part, step: part.report_loss(step)),
             loop.Every(config.bleu_every_steps, lambda part, step: part.report_dev_bleu(step), syncs=True),
-            loop.Every(config.log_every_steps, syncs=True), loop.Checkpoint(config.checkpoint_every_steps), self.profile]
+            loop.Every(config.log_every_steps, syncs=True), loop.Checkpoint(config.checkpoint_every_steps),
+            self.profile]
         timed = self.budget.limited or bool(self.marks.marks) or config.checkpoint_every_minutes > 0
         # The trainer's own clock reading (time.perf_counter looked up at each call), which the tests replace.
         self.clock = loop.Clock(previous_train_seconds(workdir, start_step), timed, now=lambda: time.perf_counter())

@@ -55,14 +55,13 @@ def translate_stream(restored: Restored, lines: TextIO, out: TextIO, batch_size:
     search = settings.search_fn(restored.graphdef, restored.settings.seed, scores=nbest > 0)
     bound = restored.input_bound
     batch_sharding = restored.batch_sharding
-    rows, count, cut_lines = decode.rows_per_batch(batch_size, batch_sharding), 0, []
+    rows, count, cut_lines = decode.device_rows(batch_size, batch_sharding), 0, []
     for chunk in chunks(lines, rows):
         decoded = decode.search_sentences(search, restored.params, restored.tokenizer, chunk, rows, bound,
                                           name=None, max_tokens_per_batch=settings.max_tokens_per_batch,
                                           batch_sharding=batch_sharding)
         if nbest:
-            written = decode.nbest_lines([h[:nbest] for h in decoded.hypotheses], restored.tokenizer,
-                                         first_index=count)
+            written = decode.nbest_lines(decoded.nbest(nbest), restored.tokenizer, first_index=count)
         else:
             written = decoded.translations(restored.tokenizer)
         if jax.process_index() == 0:  # every process holds every translation
