@@ -41,9 +41,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (~130k for the 'small' step) and the kernel zeroes each page. Transparent huge pages (glibc >= 2.35) cut the
 # faults 40x and the CPU step time by ~20% here (docs/benchmarks.md). The loader reads the tunable at start,
 # hence the re-exec (of the script only: importing this module, as the tests do, never re-executes the importer);
-# --nohugepages measures without it.
+# --nohugepages (or --hugepages=false) measures without it.
 HUGEPAGES = "glibc.malloc.hugetlb=1"
-if (__name__ == "__main__" and "--nohugepages" not in sys.argv
+
+
+def wants_hugepages(argv: list[str]) -> bool:
+    """--hugepages as absl will read it, before absl parses: the last of --[no]hugepages[=value] wins (default on)."""
+    wanted = True
+    for arg in argv[1:]:
+        name, _, value = arg.lstrip("-").partition("=")
+        if name == "nohugepages":
+            wanted = False
+        elif name == "hugepages":
+            wanted = value.lower() not in ("false", "0", "f")
+    return wanted
+
+
+if (__name__ == "__main__" and wants_hugepages(sys.argv)
         and HUGEPAGES not in os.environ.get("GLIBC_TUNABLES", "")):
     tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES", ""), HUGEPAGES]))
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "GLIBC_TUNABLES": tunables})
@@ -70,9 +84,7 @@ flags.DEFINE_bool("hugepages", True, "Re-run under GLIBC_TUNABLES=glibc.malloc.h
 flags.DEFINE_integer("new_tokens", 40, "decode: tokens decoded per sentence (no early stop).")
 flags.DEFINE_integer("beam_size", 4, "decode: beam size (1: greedy search).")
 flags.DEFINE_integer("repeats", 3, "decode: timed runs (the median is reported).")
-flags.DEFINE_bool("compare_recompute", False, "decode: no longer measured (recomputing cross-attention keys/values "
-                  "per step was 2.1-2.3x slower, docs/benchmarks.md); only false is accepted.")
-flags.DEFINE_bool("decode_all_devices", False, "decode: split the batch's rows over every device, as decode.translate "
+flags.DEFINE_bool("decode_all_devices", False, "decode: split the batch's rows over every device, as decode.search_sentences "
                   "does (8 fake CPU devices: XLA_FLAGS=--xla_force_host_platform_device_count=8).")
 flags.DEFINE_string("output", "", "Append the result as one JSON line to this file.")
 flags.DEFINE_integer("profile", 0, "Also trace the step (train) or the cached search (decode) with jax.profiler "
@@ -384,9 +396,6 @@ def main(argv):
             # reads a local folder benchmarks without one; its batch and lengths are unchanged.
             config.data.source = "builtin"
     if flags.FLAGS.mode == "decode":
-        if flags.FLAGS.compare_recompute:
-            raise app.UsageError("--compare_recompute: recomputing cross-attention keys/values is no longer part of "
-                                 "the library (measured 2.1-2.3x slower than caching them: docs/benchmarks.md)")
         result = run_decode(config, sizes, new_tokens=flags.FLAGS.new_tokens, beam_size=flags.FLAGS.beam_size,
                             repeats=flags.FLAGS.repeats)
     elif flags.FLAGS.compile_only:

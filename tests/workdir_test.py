@@ -226,7 +226,7 @@ def test_check_vocabulary_refuses_another_model_of_the_same_size(two_vocabularie
     recorded = workdir.vocabulary_record(first.path, first.vocab_size)
     assert recorded == {"file": "0.model", "sha256": workdir.fingerprint(first.path), "pieces": 100}
     workdir.check_vocabulary(recorded, first.path)
-    workdir.check_vocabulary(None, second.path)  # a workdir from before vocabularies were recorded
+    workdir.check_vocabulary(None, second.path)  # a first start: nothing recorded yet
     with pytest.raises(VocabularyMismatchError) as refused:
         workdir.check_vocabulary(recorded, second.path)
     assert isinstance(refused.value, DataError)

@@ -1,8 +1,7 @@
 """Orbax checkpoints of the TrainState in `workdir/checkpoints`: periodic async saves, keep-N, resume.
 
-Each checkpoint holds two items: `default`, the TrainState (the name single-item checkpoints of earlier
-versions used, so those stay readable), and `data`, the input pipeline's iterator state, one JSON file
-per process written by grain's Orbax handler, so a resumed run continues the data exactly.
+Each checkpoint holds two items: `default`, the TrainState, and `data`, the input pipeline's iterator state, one
+JSON file per process written by grain's Orbax handler, so a resumed run continues the data exactly.
 
 Evaluation and averaging read parameters only (`restore_params`, a partial restore), from full states or from
 params snapshots (`workdir/params`: checkpoints whose state is `{"params": ...}`), which a run keeps for the
@@ -124,6 +123,27 @@ def check_compatible(saved: PyTree, expected: PyTree, directory: str) -> None:
 STATE_ITEM, DATA_ITEM = "default", "data"
 
 
+def _data_state_files(directory: str) -> list[str]:
+    """The data iterator state files of a checkpoint's data item to read: this process's, else every process's (a
+    checkpoint written by another number of processes: the states must agree)."""
+    own = os.path.join(directory, f"process_{jax.process_index()}-of-{jax.process_count()}.json")
+    if files.exists(own):
+        return [own]
+    names = [os.path.join(directory, name) for name in files.list_dir(directory)
+             if fnmatch.fnmatch(name, "process_*-of-*.json")]
+    if not names:
+        raise FileNotFoundError(f"{directory} holds no data iterator state (process_<i>-of-<n>.json)")
+    return names
+
+
+def _unused_path(directory: str, name: str) -> str:
+    """directory/name, or with -1, -2 ... appended where that exists."""
+    path, attempt = os.path.join(directory, name), 1
+    while files.exists(path):
+        path, attempt = os.path.join(directory, f"{name}-{attempt}"), attempt + 1
+    return path
+
+
 class IteratorState:
     """A data iterator's state (JSON bytes), captured when the step is saved, in the form grain's handler
     writes and reads. Handing grain the live iterator instead would let an asynchronous save record the
@@ -197,7 +217,7 @@ class Checkpointer:
             return self.manager.restore(step, args=args)[STATE_ITEM]
 
     def restore_data_state(self, step: int) -> bytes | None:
-        """This process's data iterator state saved at `step`; None for a checkpoint written without one.
+        """This process's data iterator state saved at `step`; None for a checkpoint saved without one.
 
         Every process's state is the same (each computes the whole packing plan and takes its own block of rows),
         so a checkpoint written by another number of processes restores onto this one: its files
@@ -206,23 +226,16 @@ class Checkpointer:
         directory = os.path.join(self.directory, str(step), DATA_ITEM)
         with self._reading(step):
             if not files.is_dir(directory):
-                # The step's metadata lists the items it saved: a checkpoint of an older version saved no data item.
+                # The step's metadata lists the items it saved: one saved before any batch (0 steps) has no data item.
                 if DATA_ITEM in (self.manager.metadata(step).item_handlers or {}):
                     raise FileNotFoundError(f"its data iterator state ({directory}) is missing")
                 return None
-            own = os.path.join(directory, f"process_{jax.process_index()}-of-{jax.process_count()}.json")
-            names = [own] if files.exists(own) else [os.path.join(directory, name) for name in files.list_dir(
-                directory) if fnmatch.fnmatch(name, "process_*-of-*.json")]
-            if not names:
-                raise FileNotFoundError(f"{directory} holds no data iterator state (process_<i>-of-<n>.json)")
-            states = {}
-            for name in names:
-                states[name] = files.read_bytes(name)
-            parsed = {json.dumps(json.loads(s), sort_keys=True) for s in states.values()}  # a torn file fails here
+            states = [files.read_bytes(name) for name in _data_state_files(directory)]
+            parsed = {json.dumps(json.loads(s), sort_keys=True) for s in states}  # a torn file fails here
         if len(parsed) > 1:
             raise CheckpointMismatchError(f"the data iterator states in {directory} differ between processes, so "
                                           f"they cannot be restored onto {jax.process_count()} process(es)")
-        return next(iter(states.values()))
+        return states[0]
 
     def restore_latest(self, abstract_state: PyTree) -> tuple[int, PyTree, bytes | None] | None:
         """(step, state, data iterator state) of the newest checkpoint that can be read, both from that step; None
@@ -254,7 +267,7 @@ class Checkpointer:
             return
         if jax.process_index() == 0:
             for step in steps:
-                target = self._unused_path(f"{step}{DAMAGED_MARK}{time.strftime('%Y%m%dT%H%M%S')}")
+                target = _unused_path(self.directory, f"{step}{DAMAGED_MARK}{time.strftime('%Y%m%dT%H%M%S')}")
                 epath.Path(self.directory, str(step)).rename(target)
                 log.warning("moved the unreadable checkpoint of step %d aside to %s (kept, not deleted), so this run "
                             "can save step %d again", step, target, step)
@@ -263,12 +276,6 @@ class Checkpointer:
             multihost_utils.sync_global_devices(f"checkpoints set aside in {self.directory}")
         self.manager.reload()
         self.last_saved = self.manager.latest_step()
-
-    def _unused_path(self, name: str) -> str:
-        path, attempt = os.path.join(self.directory, name), 1
-        while files.exists(path):
-            path, attempt = os.path.join(self.directory, f"{name}-{attempt}"), attempt + 1
-        return path
 
     def best_step(self) -> int | None:
         return self.manager.best_step()
@@ -424,7 +431,8 @@ class RunCheckpoints:
 
     def __init__(self, workdir: str, *, every: int, keep: int, use_async: bool, average_last: int,
                  before_save=lambda: None):
-        self.workdir, self.use_async, self.average_last, self.before_save = workdir, use_async, average_last, before_save
+        self.workdir, self.use_async, self.average_last = workdir, use_async, average_last
+        self.before_save = before_save
         self.states = Checkpointer(os.path.join(workdir, CHECKPOINTS_DIR), save_every_steps=every, keep=keep,
                                    use_async=use_async)
         self.snapshots = Checkpointer(os.path.join(workdir, PARAMS_DIR), save_every_steps=1, keep=average_last,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from typing import Any
 
 import jax
@@ -82,11 +83,13 @@ class BatchShape:
         return self.rows * self.row_length
 
 
-def recorded_batch(workdir: str) -> BatchShape | None:
-    """The batch shape the run in `workdir` trains on (run.json); None for a workdir written before it was recorded
-    (such a run keeps the config's own rows, as it had then)."""
+def recorded_batch(workdir: str) -> BatchShape:
+    """The batch shape the run in `workdir` trains on, which its first start recorded in run.json."""
     batch = workdirs.read_run_file(workdir).get("batch")
-    return BatchShape(int(batch["rows"]), int(batch["row_length"])) if batch else None
+    if not batch:
+        raise FileNotFoundError(f"{os.path.join(workdir, RUN_FILE)} records no batch shape: --workdir must be a "
+                                "directory written by train.py")
+    return BatchShape(int(batch["rows"]), int(batch["row_length"]))
 
 
 def plan_batch(data_config: data.DataConfig, ways: int, recorded: BatchShape | None = None

@@ -151,9 +151,6 @@ RESUMABLE_CHANGES = ("train.num_train_steps", "train.log_every_steps", "train.ev
                      "train.checkpoint_every_minutes", "train.compilation_cache_dir", "train.nonfinite",
                      "train.debug_nans", "data.local_cache_dir",
                      "train.wandb_project", "train.profile_steps")
-# Keys a workdir's config.json may lack, with the value such a run actually used where it differs from today's
-# default (field_default): dropout masks came from threefry before train.dropout_rng existed.
-LEGACY_DEFAULTS = {"train.dropout_rng": "threefry2x32"}
 
 
 def field_default(key: str) -> Any:
@@ -179,8 +176,8 @@ def check_resume_config(saved: Mapping[str, Any], config: Mapping[str, Any]) -> 
     """A resumed run must be the same run: refuse changes to the model, data, optimizer or seed. Returns the
     changes it allows (RESUMABLE_CHANGES) as "key: old -> new", for the log."""
     old, new = flatten(config_files.plain(saved)), flatten(config_files.plain(config))
-    for key in set(new) - set(old):  # a key added since the workdir was made: the run had its default
-        old[key] = LEGACY_DEFAULTS.get(key, field_default(key))
+    for key in set(new) - set(old):  # a config given in part (Settings takes one): the run had the key's default
+        old[key] = field_default(key)
     if new.get("data.vocab_path"):  # the file decides the size (saved_config), and its identity is checked apart
         old.pop("data.vocab_size", None), new.pop("data.vocab_size", None)
     differ = sorted(key for key in set(old) | set(new) if old.get(key) != new.get(key))

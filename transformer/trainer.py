@@ -212,7 +212,7 @@ class Run:
         signal it returns {"preempted": step} instead, with that step's checkpoint committed."""
         train, compile_seconds = self.compile_and_log()
         start_step = int(self.state.step)
-        iterator = self.train_iterator(start_step)
+        iterator = self.train_iterator()
         part = Loop(self, train, start_step)
         try:
             stop = part.run_steps(prefetch_to_device(batches_with_states(iterator), self.plan.batch_sharding))
@@ -227,19 +227,15 @@ class Run:
             return part.finish_preempted()
         return part.finish(compile_seconds)
 
-    def train_iterator(self, start_step: int):
-        """The grain iterator of this process's training batches, positioned after batch `start_step`."""
+    def train_iterator(self):
+        """The grain iterator of this process's training batches, positioned after the restored step's batch."""
         settings = self.settings.data
         iterator = iter(data.train_dataset(
             self.corpus.train_cache, self.corpus.train_kept, seed=self.settings.seed, max_length=settings.max_length,
             rows_per_batch=self.batch.rows, shard=data.Shard.of_process(), num_workers=settings.num_workers,
             pack=settings.pack))
-        if self.data_state is not None:
+        if self.data_state is not None:  # none in a checkpoint saved before any batch was drawn (0 steps)
             data.restore_iterator(iterator, self.data_state)
-        elif start_step:  # a checkpoint written before the data state was saved: the stream is deterministic
-            log.info("checkpoint has no data iterator state; skipping %d batches", start_step)
-            for _ in range(start_step):
-                next(iterator)
         return iterator
 
 

@@ -104,8 +104,8 @@ def vocabulary_record(path: str, vocab_size: int) -> dict[str, Any]:
 
 
 def check_vocabulary(recorded: dict[str, Any] | None, path: str) -> None:
-    """Refuse `path` unless it is the recorded vocabulary (`vocabulary_record`); a workdir written before
-    vocabularies were recorded (None) passes."""
+    """Refuse `path` unless it is the recorded vocabulary (`vocabulary_record`); with none recorded yet (None: a
+    first start) it passes."""
     if not recorded:
         return
     found = fingerprint(path)
