@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import sys
 
 NAME = "transformer"
-# Libraries whose INFO records are left out unless --verbosity asks for them: orbax logs a dozen lines per checkpoint
-# saved or restored, jax the backends it probes and the compilation cache; their warnings always show.
-QUIET_BELOW_WARNING = ("orbax", "jax")
+# Libraries whose records below a level are left out unless --verbosity asks for them: orbax logs a dozen INFO lines
+# per checkpoint saved or restored and warns of the options it adjusts (a read-only manager's), which its errors,
+# raised, say better; jax's INFO lines are the backends it probes and the compilation cache.
+QUIET_BELOW = {"orbax": logging.ERROR, "jax": logging.WARNING}
 
 
 class _Stderr(logging.StreamHandler):
@@ -27,16 +29,20 @@ class _Stderr(logging.StreamHandler):
 
 
 class _QuietLibraries(logging.Filter):
-    """Drops the records below WARNING of the QUIET_BELOW_WARNING packages, known by the file that logged them (absl
-    logs orbax's under its own logger's name)."""
+    """Drops the QUIET_BELOW packages' records below their level, each package known by the file that logged the
+    record (absl logs orbax's under its own logger's name)."""
 
     def __init__(self):
         super().__init__()
-        specs = [importlib.util.find_spec(package) for package in QUIET_BELOW_WARNING]
-        self.roots = tuple(location for spec in specs if spec for location in spec.submodule_search_locations or ())
+        self.levels = []  # (the package's directory, the least level shown)
+        for package, level in QUIET_BELOW.items():
+            spec = importlib.util.find_spec(package)
+            if spec is not None:
+                self.levels += [(location, level) for location in spec.submodule_search_locations or ()]
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or not record.pathname.startswith(self.roots)
+        return all(record.levelno >= level or not record.pathname.startswith(location + os.sep)
+                   for location, level in self.levels)
 
 
 HANDLER = _Stderr()
@@ -52,7 +58,7 @@ if HANDLER not in log.handlers:
 def route_libraries() -> None:
     """For an entry point, once absl has parsed its flags (in main): absl's records (orbax's, grain's, tfds', the data
     pipeline's progress) and every record that reaches Python's root logger go to the console's handler instead of
-    absl's, at INFO with QUIET_BELOW_WARNING's left out; --verbosity given sets absl's level for all, those included."""
+    absl's, at INFO with QUIET_BELOW's left out; --verbosity given sets absl's level for all, those included."""
     from absl import flags
     from absl import logging as absl_logging
 
