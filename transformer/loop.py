@@ -15,7 +15,8 @@ The hooks of an `Action`, in the order a step calls them (each action's default 
   off_the_clock after every step but the last (which the end of the run evaluates), off the training clock
   end_of_step   last: the periodic checkpoint
 Each hook takes the loop, which offers what actions act on: `state`, `clock`, `budget`, `progress`,
-`final_step`, `saved_at`, `save(step, force)`, `pace(step)` and the run's evaluations.
+`final_step`, `saved_at`, `save(step, force)`, `pace(step)`, `score_final()`, `write_reports(reports)`, and the
+run's evaluations (`report_loss`, `report_dev_bleu`).
 """
 
 from __future__ import annotations
