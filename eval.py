@@ -23,15 +23,16 @@ workdir. Exit status: 0 done, 1 an error printed as `error: <message>` (--traceb
 
 import json
 import os
-import time
 
 import jax
-from absl import app, flags, logging
+from absl import app, flags
 
-from transformer import data, decode, errors, files, metrics, sharding, sources, trainer
+from transformer import cli, console, decode, errors, files, metrics, sharding, sources
+from transformer.evaluation import Evaluator
+from transformer.restore import Restored, workdir_family
 
-decode.define_command_line_flags("sentences")
-flags.adopt_module_key_flags(decode)
+cli.define_command_line_flags("sentences")
+flags.adopt_module_key_flags(cli)
 flags.DEFINE_list("split", ["valid", "test"], "Splits of the run's own data to decode and score.")
 flags.DEFINE_string("input", None, "A text file of source sentences to translate instead of the splits.")
 flags.DEFINE_string("reference", None, "With --input: a line-aligned file of references to score against.")
@@ -71,20 +72,15 @@ def nbest_path(output_path: str, nbest: int) -> str:
     return f"{root}.nbest{nbest}{extension or '.txt'}"
 
 
-def evaluate(restored: trainer.Restored, search: decode.Search, name: str, source_sentences: list[str],
+def evaluate(restored: Restored, evaluator: Evaluator, name: str, source_sentences: list[str],
              references: list[str] | None, output_path: str, nbest: int = 0) -> dict:
     """Decode (the best hypothesis, and with nbest the n-best list too), write, score. Sources longer than the
     bound are cut to it (one warning naming `name`), still scored, and counted in the result's inputs_cut."""
     settings = restored.settings.decode
-    bound = restored.input_bound
-    start = time.perf_counter()
-    decoded = decode.search_sentences(search, restored.params, restored.tokenizer, source_sentences,
-                                      settings.batch_size, bound, name=name,
-                                      max_tokens_per_batch=settings.max_tokens_per_batch,
-                                      batch_sharding=restored.batch_sharding)
-    seconds = time.perf_counter() - start  # includes the compilation of each new input shape
+    bound = evaluator.input_bound
+    translated = evaluator.translate(restored.params, source_sentences, name)
+    decoded, hypotheses, seconds = translated.decoded, translated.hypotheses, translated.seconds
     ids = decoded.best_ids()
-    hypotheses = [restored.tokenizer.decode(x) for x in ids]
     write_lines(output_path, hypotheses)
     output_tokens = sum(len(x) for x in ids)
     result = {"name": name, "model": restored.name, "step": restored.step, "averaged_steps": restored.averaged_steps,
@@ -97,8 +93,7 @@ def evaluate(restored: trainer.Restored, search: decode.Search, name: str, sourc
               "tokens_per_second": output_tokens / max(seconds, 1e-9)}
     if nbest:
         result["nbest"], result["nbest_output"] = nbest, nbest_path(output_path, nbest)
-        write_lines(result["nbest_output"], decode.nbest_lines([h[:nbest] for h in decoded.hypotheses],
-                                                               restored.tokenizer))
+        write_lines(result["nbest_output"], decode.nbest_lines(decoded.nbest(nbest), restored.tokenizer))
     if references is not None:
         result.update(metrics.all_scores(hypotheses, references, target_lang=restored.settings.data.target_lang))
         say(f"{name} BLEU {result['bleu']:.2f}  {result['signature']}")
@@ -110,14 +105,13 @@ def evaluate(restored: trainer.Restored, search: decode.Search, name: str, sourc
     return result
 
 
-def evaluate_masked(restored: trainer.Restored) -> None:
+def evaluate_masked(restored: Restored, evaluator: Evaluator) -> None:
     """An encoder_only model has no decoder: each split's masked-token accuracy and perplexity instead of BLEU,
-    over the same masked tokens as the run's own evaluation (Restored.masked_scores)."""
+    over the same masked tokens as the run's own evaluation (Evaluator.masked_scores)."""
     results = []
     for split in FLAGS.split:
         result = {"name": split, "model": restored.name, "step": restored.step,
-                  "averaged_steps": restored.averaged_steps,
-                  **restored.masked_scores(data.read_split(restored.settings.data, split))}
+                  "averaged_steps": restored.averaged_steps, **evaluator.masked_scores(restored.params, split)}
         say(f"{split} masked accuracy {result['accuracy']:.4f}  perplexity {result['perplexity']:.3f}  "
             f"({result['masked_tokens']:.0f} masked tokens of {result['pairs']} pairs)")
         results.append(result)
@@ -129,22 +123,21 @@ def evaluate_masked(restored: trainer.Restored) -> None:
 def main(argv):
     if len(argv) > 1:
         raise errors.ConfigError(f"unexpected arguments {argv[1:]}: every option is a --flag=value")
-    if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; --verbosity=0 shows it
-        logging.set_verbosity(logging.WARNING)
+    console.route_libraries()  # absl's records (orbax, grain, the data pipeline) in the console's format
     sharding.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     with errors.as_config_error():  # a bad flag or saved setting is named before anything is restored
-        if FLAGS.input and trainer.workdir_family(FLAGS.workdir) == "encoder_only":
+        if FLAGS.input and workdir_family(FLAGS.workdir) == "encoder_only":
             raise ValueError("--input translates, and this workdir's model is encoder_only (no decoder): use "
                              "--split, or transformer.features for its encoder's outputs")
-        restored = trainer.restore_for_command_line(
+        restored = cli.restore_for_command_line(
             FLAGS.workdir, FLAGS.step, average_last=FLAGS.average_last, best=FLAGS.best, nbest=FLAGS.nbest,
-            **{name: FLAGS[name].value for name in decode.COMMAND_LINE_OVERRIDES})
+            **{name: FLAGS[name].value for name in cli.COMMAND_LINE_OVERRIDES})
     if restored.averaged_steps:
         say(f"averaged the parameters of steps {restored.averaged_steps}")
-    if restored.model_config.family == "encoder_only":
-        return evaluate_masked(restored)
     # One search for every split: compiled once per input shape (and sampling's call count goes on).
-    search = restored.settings.decode.search_fn(restored.graphdef, restored.settings.seed, scores=FLAGS.nbest > 0)
+    evaluator = Evaluator.of(restored, scores=FLAGS.nbest > 0)
+    if restored.model_config.family == "encoder_only":
+        return evaluate_masked(restored, evaluator)
     out_dir = os.path.join(FLAGS.workdir, "eval")
     # What was decoded, by which model and search: another evaluation of the same model writes other files.
     tag = f"{restored.name}.{restored.settings.decode.search_tag}"
@@ -158,13 +151,13 @@ def main(argv):
                                         f"{len(references)} lines in --reference={FLAGS.reference}")
         evaluated = os.path.basename(FLAGS.input)
         output = FLAGS.output or os.path.join(out_dir, f"{evaluated}.{tag}.txt")
-        results.append(evaluate(restored, search, FLAGS.input, source_sentences, references, output, FLAGS.nbest))
+        results.append(evaluate(restored, evaluator, FLAGS.input, source_sentences, references, output, FLAGS.nbest))
     else:
         evaluated = "+".join(FLAGS.split)
         for split in FLAGS.split:
-            pairs = data.read_split(restored.settings.data, split)
+            pairs = evaluator.pairs[split]
             output = os.path.join(out_dir, f"{split}.{tag}.txt")
-            results.append(evaluate(restored, search, split, [s for s, _ in pairs], [t for _, t in pairs], output,
+            results.append(evaluate(restored, evaluator, split, [s for s, _ in pairs], [t for _, t in pairs], output,
                                     FLAGS.nbest))
     scores_path = os.path.join(out_dir, f"scores.{evaluated}.{tag}.json")
     write_lines(scores_path, [json.dumps(results, indent=2)])

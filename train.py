@@ -1,18 +1,19 @@
 """Train the Transformer: `python train.py --workdir=runs/demo [--config=configs/default.py] [--config.x.y=z]`.
 
-Starting again on a workdir with checkpoints resumes the run from the latest one. Exit status: 0 done, 1 an error
-printed as `error: <message>` (--traceback for its traceback), 75 preempted (run the same command to resume);
-see transformer/errors.py.
+Starting again on a workdir with checkpoints resumes the run from the latest one. The log (progress, evaluations,
+the libraries' notices; transformer/console.py) goes to stderr, the final scores to stdout. Exit status: 0 done, 1
+an error printed as `error: <message>` (--traceback for its traceback), 75 preempted (run the same command to
+resume); see transformer/errors.py.
 """
 
 import os
 import sys
 
 import jax
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
-from transformer import config_files, errors, loop, sharding, trainer
+from transformer import config_files, console, errors, loop, sharding, trainer
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.py")
 if __name__ == "__main__":
@@ -29,8 +30,7 @@ flags.adopt_module_key_flags(sharding)
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; --verbosity=0 shows it
-        logging.set_verbosity(logging.WARNING)
+    console.route_libraries()  # absl's records (orbax, grain, the data pipeline) in the console's format
     with errors.as_config_error():  # every setting is checked before the devices or the workdir are touched
         trainer.Settings.from_config(flags.FLAGS.config)
     sharding.initialize_distributed(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,

@@ -10,9 +10,11 @@ evaluation reads; it cannot resume training). An existing, non-empty --output_wo
 
 import os
 
-from absl import app, flags, logging
+from absl import app, flags
 
-from transformer import files, trainer
+from transformer import console, files
+from transformer.restore import restore
+from transformer.workdir import CONFIG_FILE, RUN_FILE
 from transformer.checkpoint import Checkpointer
 
 
@@ -33,12 +35,12 @@ def write_averaged_workdir(workdir: str, output_workdir: str, average_last: int,
         raise ValueError(f"--average_last={average_last} must be >= 1")
     if files.exists(output_workdir) and (not files.is_dir(output_workdir) or files.list_dir(output_workdir)):
         raise FileExistsError(f"--output_workdir={output_workdir} exists and is not empty; choose a new directory")
-    restored = trainer.restore(workdir, step, average_last=average_last)  # every check and message lives here
+    restored = restore(workdir, step, average_last=average_last)  # every check and message lives here
     steps = restored.averaged_steps or [restored.step]
     settings = restored.settings
     files.make_dirs(output_workdir)
-    files.copy_file(os.path.join(workdir, trainer.CONFIG_FILE), os.path.join(output_workdir, trainer.CONFIG_FILE))
-    for name in ("vocab.model", trainer.RUN_FILE):  # the vocabulary, and the record eval checks it against
+    files.copy_file(os.path.join(workdir, CONFIG_FILE), os.path.join(output_workdir, CONFIG_FILE))
+    for name in ("vocab.model", RUN_FILE):  # the vocabulary, and the record eval checks it against
         if files.exists(os.path.join(workdir, name)):
             files.copy_file(os.path.join(workdir, name), os.path.join(output_workdir, name))
     target = Checkpointer(os.path.join(output_workdir, "checkpoints"), save_every_steps=1, keep=1, use_async=False)
@@ -51,8 +53,7 @@ def write_averaged_workdir(workdir: str, output_workdir: str, average_last: int,
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
+    console.route_libraries()  # absl's records (orbax, grain, the data pipeline) in the console's format
     steps = write_averaged_workdir(FLAGS.workdir, FLAGS.output_workdir, FLAGS.average_last, FLAGS.step)
     print(f"wrote the average of steps {steps} to {FLAGS.output_workdir}/checkpoints/{steps[-1]}")
 

@@ -41,9 +41,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (~130k for the 'small' step) and the kernel zeroes each page. Transparent huge pages (glibc >= 2.35) cut the
 # faults 40x and the CPU step time by ~20% here (docs/benchmarks.md). The loader reads the tunable at start,
 # hence the re-exec (of the script only: importing this module, as the tests do, never re-executes the importer);
-# --nohugepages measures without it.
+# --nohugepages (or --hugepages=false) measures without it.
 HUGEPAGES = "glibc.malloc.hugetlb=1"
-if (__name__ == "__main__" and "--nohugepages" not in sys.argv
+
+
+def wants_hugepages(argv: list[str]) -> bool:
+    """--hugepages as absl will read it, before absl parses: the last of --[no]hugepages[=value] wins (default on)."""
+    wanted = True
+    for arg in argv[1:]:
+        name, _, value = arg.lstrip("-").partition("=")
+        if name == "nohugepages":
+            wanted = False
+        elif name == "hugepages":
+            wanted = value.lower() not in ("false", "0", "f")
+    return wanted
+
+
+if (__name__ == "__main__" and wants_hugepages(sys.argv)
         and HUGEPAGES not in os.environ.get("GLIBC_TUNABLES", "")):
     tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES", ""), HUGEPAGES]))
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "GLIBC_TUNABLES": tunables})
@@ -70,9 +84,7 @@ flags.DEFINE_bool("hugepages", True, "Re-run under GLIBC_TUNABLES=glibc.malloc.h
 flags.DEFINE_integer("new_tokens", 40, "decode: tokens decoded per sentence (no early stop).")
 flags.DEFINE_integer("beam_size", 4, "decode: beam size (1: greedy search).")
 flags.DEFINE_integer("repeats", 3, "decode: timed runs (the median is reported).")
-flags.DEFINE_bool("compare_recompute", False, "decode: no longer measured (recomputing cross-attention keys/values "
-                  "per step was 2.1-2.3x slower, docs/benchmarks.md); only false is accepted.")
-flags.DEFINE_bool("decode_all_devices", False, "decode: split the batch's rows over every device, as decode.translate "
+flags.DEFINE_bool("decode_all_devices", False, "decode: split the batch's rows over every device, as decode.search_sentences "
                   "does (8 fake CPU devices: XLA_FLAGS=--xla_force_host_platform_device_count=8).")
 flags.DEFINE_string("output", "", "Append the result as one JSON line to this file.")
 flags.DEFINE_integer("profile", 0, "Also trace the step (train) or the cached search (decode) with jax.profiler "
@@ -111,20 +123,21 @@ def synthetic_batch(batch: int, source_length: int, target_length: int, vocab_si
 
 def build(config, sizes: dict):
     """Everything a train step needs, from the config and sizes: model config, mesh, shardings, steps."""
-    from transformer import sharding, trainer
+    from transformer import sharding
     from transformer.optim import make_optimizer
+    from transformer.plan import make_steps, model_graphdef, state_shardings
+    from transformer.settings import Settings
 
-    settings = trainer.Settings.from_config(config)
+    settings = Settings.from_config(config)
     model_config = settings.model_config(sizes["vocab_size"])
     optimizer, schedule = make_optimizer(settings.optimizer, model_config.emb_dim)
     mesh = sharding.make_mesh(settings.mesh)
     sharding.check_batch_divisible(sizes["batch"] // settings.train.num_microbatches, mesh, settings.mesh,
                                    "--batch / train.num_microbatches")
-    state_shardings = trainer.state_shardings(model_config, optimizer, mesh, settings.mesh)
+    shardings = state_shardings(model_config, optimizer, mesh, settings.mesh)
     batch_sharding = sharding.batch_sharding(mesh, settings.mesh)
-    train, _ = trainer.make_steps(trainer.model_graphdef(model_config), optimizer, schedule, settings.train,
-                                  state_shardings, batch_sharding)
-    return settings, model_config, optimizer, mesh, state_shardings, batch_sharding, train
+    train, _ = make_steps(model_graphdef(model_config), optimizer, schedule, settings.train, shardings, batch_sharding)
+    return settings, model_config, optimizer, mesh, shardings, batch_sharding, train
 
 
 def memory_of(compiled) -> dict:
@@ -151,14 +164,15 @@ def describe(config, sizes: dict, mesh) -> dict:
 def run_compile_only(config, sizes: dict) -> dict:
     """Lower and compile the train step exactly as train.py would for the config and mesh (its batch, microbatches
     and vocabulary), with no array allocated; the memory per device XLA plans for it."""
-    from transformer import trainer
+    from transformer.plan import make_steps, startup_plan
+    from transformer.settings import Settings
 
-    settings = trainer.Settings.from_config(config)
-    plan, note = trainer.startup_plan(settings)
+    settings = Settings.from_config(config)
+    plan, note = startup_plan(settings)
     if note:
         print(note, flush=True)
-    train, _ = trainer.make_steps(plan.graphdef, plan.optimizer, plan.schedule, settings.train, plan.state_shardings,
-                                  plan.batch_sharding)
+    train, _ = make_steps(plan.graphdef, plan.optimizer, plan.schedule, settings.train, plan.state_shardings,
+                          plan.batch_sharding)
     start = time.perf_counter()
     lowered = train.lower(plan.abstract_state(settings.seed), plan.abstract_batch())
     lower_seconds = time.perf_counter() - start
@@ -179,11 +193,12 @@ def run_compile_only(config, sizes: dict) -> dict:
 
 def run_train(config, sizes: dict, *, steps: int, warmup: int, peak_size: int) -> dict:
     """Compile time, median step time over `steps` after `warmup`, tokens/s, MFU and peak memory."""
-    from transformer import sharding, throughput, trainer
+    from transformer import sharding, throughput
     from transformer.checkpoint import abstract_like
+    from transformer.plan import create_train_state
 
     settings, model_config, optimizer, mesh, state_shardings, batch_sharding, train = build(config, sizes)
-    state = trainer.create_train_state(model_config, optimizer, settings.seed, state_shardings)
+    state = create_train_state(model_config, optimizer, settings.seed, state_shardings)
     host_batch = synthetic_batch(sizes["batch"], sizes["source_length"], sizes["target_length"],
                                  model_config.vocab_size)
     batch = sharding.place_batch(host_batch, batch_sharding)
@@ -291,8 +306,9 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
 
     from flax import nnx
 
-    from transformer import decode, trainer
+    from transformer import decode
     from transformer.model import build as build_model
+    from transformer.settings import Settings
 
     batch, source_length = sizes["batch"], sizes["source_length"]
     if new_tokens < source_length:
@@ -300,7 +316,7 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
                              "an output may have at most source length + max_extra_length tokens")
     with config.unlocked():
         config.model.dtype, config.model.dropout_rate = "float32", 0.0
-    settings = trainer.Settings.from_config(config)
+    settings = Settings.from_config(config)
     config = settings.model_config(sizes["vocab_size"])
     cache_blocks = decode.cache_blocks_for(settings.decode.cache_blocks, beam_size)
     graphdef, params = nnx.split(build_model(config, rngs=nnx.Rngs(0)))
@@ -309,7 +325,7 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
     if flags.FLAGS.decode_all_devices:
         from transformer import sharding
         batch_sharding = decode.batch_sharding_for()
-        if decode.rows_per_batch(batch, batch_sharding) != batch:
+        if decode.device_rows(batch, batch_sharding) != batch:
             raise app.UsageError(f"--batch={batch} cannot be split into whole rows over {jax.device_count()} devices")
         inputs = sharding.place_batch({"inputs": inputs}, batch_sharding)["inputs"]
     # Every sentence may produce source_length + max_extra_length = new_tokens tokens, and without early stopping
@@ -380,9 +396,6 @@ def main(argv):
             # reads a local folder benchmarks without one; its batch and lengths are unchanged.
             config.data.source = "builtin"
     if flags.FLAGS.mode == "decode":
-        if flags.FLAGS.compare_recompute:
-            raise app.UsageError("--compare_recompute: recomputing cross-attention keys/values is no longer part of "
-                                 "the library (measured 2.1-2.3x slower than caching them: docs/benchmarks.md)")
         result = run_decode(config, sizes, new_tokens=flags.FLAGS.new_tokens, beam_size=flags.FLAGS.beam_size,
                             repeats=flags.FLAGS.repeats)
     elif flags.FLAGS.compile_only:

@@ -89,12 +89,13 @@ def layer_function(config, kind: str, length: int):
 
 def step_function(config, kind: str, length: int):
     """train.py's train step on one row of `length` source and `length` target tokens."""
-    from transformer import sharding, trainer
+    from transformer import sharding
+    from transformer.plan import create_train_state
 
     sizes = dict(batch=1, source_length=length, target_length=length, vocab_size=8000)
     settings, model_config, optimizer, _, state_shardings, batch_sharding, train = benchmark.build(
         with_kind(config, kind, length), sizes)
-    state = trainer.create_train_state(model_config, optimizer, settings.seed, state_shardings)
+    state = create_train_state(model_config, optimizer, settings.seed, state_shardings)
     batch = sharding.place_batch(benchmark.synthetic_batch(1, length, length, 8000), batch_sharding)
     return train, (state, batch)
 

@@ -44,9 +44,12 @@ import shutil
 
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import app, flags
 
-from transformer import errors, trainer
+from transformer import console, errors
+from transformer.cli import restore_for_command_line
+from transformer.restore import Restored, load_workdir_config
+from transformer.settings import Settings
 from transformer.model import ModelConfig, unstack_layer_params
 from transformer.tokenizer import EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
@@ -117,9 +120,9 @@ def check_output(output: str) -> None:
 
 def saved_model_config(workdir: str) -> ModelConfig:
     """The workdir's model as config.json describes it (its vocabulary size included): read before any restore."""
-    config = trainer.load_workdir_config(workdir)
+    config = load_workdir_config(workdir)
     with errors.as_config_error():
-        return trainer.Settings.from_config(config).model_config(int(config["data"]["vocab_size"]))
+        return Settings.from_config(config).model_config(int(config["data"]["vocab_size"]))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -217,7 +220,7 @@ def marian_state_dict(params: dict, model_config: ModelConfig) -> dict[str, np.n
 # The Hugging Face directory
 
 
-def longest_output(restored: trainer.Restored) -> int:
+def longest_output(restored: Restored) -> int:
     """The most tokens our search writes for one sentence (EOS included): the input bound plus the extra length."""
     return restored.input_bound + restored.settings.decode.max_extra_length
 
@@ -299,7 +302,7 @@ def give_files_the_umask_mode(directory: str) -> None:
         os.chmod(os.path.join(directory, name), 0o666 & ~umask)
 
 
-def write_hf(restored: trainer.Restored, output: str) -> None:
+def write_hf(restored: Restored, output: str) -> None:
     """Write the directory beside `output` and rename it into place: a failure leaves no half-written export."""
     parent = os.path.dirname(os.path.abspath(output))
     os.makedirs(parent, exist_ok=True)
@@ -319,7 +322,7 @@ def write_hf(restored: trainer.Restored, output: str) -> None:
 
 def export(workdir: str, output: str | None = None, *, output_format: str = "hf", step: int | None = None,
            average_last: int | None = None, best: bool = False, allow_epsilon_change: bool = False
-           ) -> tuple[str, trainer.Restored]:
+           ) -> tuple[str, Restored]:
     """Export `workdir`'s model (restored as eval.py restores it) to `output` (default: workdir/export/
     <format>.<model>) -> (the output directory, what was restored). Every refusal comes before anything is
     written."""
@@ -329,7 +332,7 @@ def export(workdir: str, output: str | None = None, *, output_format: str = "hf"
     if output is not None:
         check_output(output)
     with errors.as_config_error():
-        restored = trainer.restore_for_command_line(workdir, step, average_last=average_last, best=best, nbest=0)
+        restored = restore_for_command_line(workdir, step, average_last=average_last, best=best, nbest=0)
     check_exportable(restored.model_config, allow_epsilon_change)
     output = output or os.path.join(workdir, "export", f"{output_format}.{restored.name}")
     check_output(output)
@@ -340,8 +343,7 @@ def export(workdir: str, output: str | None = None, *, output_format: str = "hf"
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not flags.FLAGS["verbosity"].present:  # orbax logs every restore at INFO
-        logging.set_verbosity(logging.WARNING)
+    console.route_libraries()  # absl's records (orbax, grain, the data pipeline) in the console's format
     output, restored = export(FLAGS.workdir, FLAGS.output, output_format=FLAGS.format, step=FLAGS.step,
                               average_last=FLAGS.average_last, best=FLAGS.best,
                               allow_epsilon_change=FLAGS.allow_layer_norm_epsilon_change)

@@ -97,14 +97,16 @@ class Job:
 def check_restores(workdir: str, steps: list[int]) -> list[int]:
     """The steps among `steps` whose train state and data state do not restore."""
     import jax
-    from transformer import sharding, trainer
+    from transformer import sharding
     from transformer.checkpoint import Checkpointer
+    from transformer.plan import make_plan, recorded_batch
+    from transformer.restore import load_workdir_config
+    from transformer.settings import Settings
     from transformer.tokenizer import Tokenizer
 
-    settings = trainer.Settings.from_config(trainer.load_workdir_config(workdir))
+    settings = Settings.from_config(load_workdir_config(workdir))
     mesh = sharding.make_mesh(settings.mesh)
-    plan = trainer.make_plan(settings, Tokenizer(os.path.join(workdir, "vocab.model")).vocab_size, mesh,
-                             trainer.recorded_batch(workdir))
+    plan = make_plan(settings, Tokenizer(os.path.join(workdir, "vocab.model")).vocab_size, mesh, recorded_batch(workdir))
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), save_every_steps=1, keep=1, use_async=False,
                                 read_only=True)
     failed = []
@@ -123,9 +125,9 @@ def check_restores(workdir: str, steps: list[int]) -> list[int]:
 def final_params_equal(reference: str, drilled: str) -> bool:
     import jax
     import numpy as np
-    from transformer import trainer
+    from transformer.restore import restore
 
-    a, b = (jax.device_get(trainer.restore(w).params) for w in (reference, drilled))
+    a, b = (jax.device_get(restore(w).params) for w in (reference, drilled))
     leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
     return len(leaves_a) == len(leaves_b) and all(
         x.dtype == y.dtype and x.shape == y.shape and np.asarray(x).tobytes() == np.asarray(y).tobytes()

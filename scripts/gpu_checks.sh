@@ -74,7 +74,7 @@ JAX_DEFAULT_MATMUL_PRECISION=highest step 120 "attention implementations agree" 
   python3 -m pytest -q -p no:cacheprovider -o addopts="-m 'not slow'" "${TESTS[@]}"  # no xdist there
 train base
 step 150 "decode base, beam 4" python3 scripts/benchmark.py --mode=decode --config=configs/base.py \
-  --compare_recompute=false "${DECODE[@]}" --output="$JSONL"
+  "${DECODE[@]}" --output="$JSONL"
 variant() {  # variant TITLE OVERRIDES...: base's training step with model overrides, bfloat16, xla attention
   local title=$1
   shift

@@ -21,11 +21,13 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import app, flags
 from flax import nnx
 
-from transformer import decode, trainer
+from transformer import console, decode
 from transformer.model import attention as attention_lib, unstack_layer_params
+from transformer.plan import model_graphdef
+from transformer.restore import Restored, restore
 
 
 def define_flags() -> None:
@@ -58,16 +60,17 @@ def recorded_attention():
         attention_lib.dot_product_attention = original
 
 
-def attention_maps(restored: trainer.Restored, source: str) -> dict:
+def attention_maps(restored: Restored, source: str) -> dict:
     """Translate `source`; its tokens and the attention weights of a teacher-forced pass over the translation."""
-    [target_ids] = decode.search_ids(restored.search_fn(), restored.params, restored.tokenizer, [source], 1,
-                                     restored.model_config.position_limit)
+    search = restored.settings.decode.search_fn(restored.graphdef, restored.settings.seed)
+    [target_ids] = decode.search_sentences(search, restored.params, restored.tokenizer, [source], 1,
+                                           restored.model_config.position_limit).best_ids()
     if not len(target_ids):
         raise ValueError("the source sentence is empty: there is nothing to attend to")
     [source_ids] = restored.tokenizer.encode([source])
     graphdef, params = restored.graphdef, restored.params
     if restored.model_config.scan_layers:  # the recording needs one attention call per layer, not one scan
-        graphdef = trainer.model_graphdef(dataclasses.replace(restored.model_config, scan_layers=False))
+        graphdef = model_graphdef(dataclasses.replace(restored.model_config, scan_layers=False))
         params = unstack_layer_params(params)
     model = nnx.merge(graphdef, params)
     decoder_inputs = np.concatenate([[0], target_ids[:-1]])[None]
@@ -106,7 +109,7 @@ def draw(weights: np.ndarray, rows: list[str], columns: list[str], title: str, p
     plt.close(figure)
 
 
-def plot_attention(restored: trainer.Restored, source: str, output_dir: str) -> dict:
+def plot_attention(restored: Restored, source: str, output_dir: str) -> dict:
     maps = attention_maps(restored, source)
     os.makedirs(output_dir, exist_ok=True)
     draw(maps["cross"], maps["target_tokens"], maps["source_tokens"], "cross-attention (rows: target, columns: "
@@ -120,9 +123,8 @@ def plot_attention(restored: trainer.Restored, source: str, output_dir: str) -> 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
-    restored = trainer.restore(FLAGS.workdir, FLAGS.step, decode_overrides={"beam_size": FLAGS.beam_size})
+    console.route_libraries()  # absl's records (orbax, grain, the data pipeline) in the console's format
+    restored = restore(FLAGS.workdir, FLAGS.step, decode_overrides={"beam_size": FLAGS.beam_size})
     output_dir = FLAGS.output_dir or os.path.join(FLAGS.workdir, "attention")
     maps = plot_attention(restored, FLAGS.source, output_dir)
     print(f"translation: {maps['translation']}")

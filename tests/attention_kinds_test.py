@@ -25,13 +25,13 @@ from flax import nnx
 from configs import default
 from tiny import decode_incrementally
 from transformer.decode import beam_search, length_penalty
-from transformer.trainer import Settings
 from transformer.model import ModelConfig, build
 from transformer.model.attention import attention
 from transformer.model.local import local_attention, windowed_attention
 from transformer.model.masks import SelfMask
 from transformer.model.performer import (causal_sums, feature_exponents, key_exponents, performer_attention,
                                          random_features)
+from transformer.settings import Settings
 from transformer.tokenizer import EOS_ID
 
 # Rows of 11: two sentences then padding; one filling the row; three short ones (lengths not a multiple of r).

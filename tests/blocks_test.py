@@ -12,6 +12,7 @@ from flax import nnx
 from tiny import decode_incrementally, make_tiny_config
 from transformer import decode, steps, trainer
 from transformer.model import Block, ModelConfig, build, register
+from transformer.restore import restore
 from transformer.tokenizer import EOS_ID
 
 
@@ -61,19 +62,19 @@ def trained(tmp_path_factory):
 def test_a_kind_registered_in_a_test_trains_and_restores_from_its_checkpoint(trained):
     workdir, result = trained
     assert 0.0 <= result["bleu"]["test"]["bleu"] <= 100.0  # the run decoded with beam search (beam 2)
-    restored = trainer.restore(str(workdir))
+    restored = restore(str(workdir))
     assert restored.step == 6 and restored.model_config.decoder_attention == "dense,mean"
     layers = restored.params["decoder_layers"]
     assert set(layers[1]["self_attention"]) == {"value", "output"}  # the kind's own parameters, by role
     assert "query" in layers[0]["self_attention"]
-    earlier = trainer.restore(str(workdir), 3).params["decoder_layers"][1]["self_attention"]["value"]["kernel"]
+    earlier = restore(str(workdir), 3).params["decoder_layers"][1]["self_attention"]["value"]["kernel"]
     assert np.abs(np.asarray(layers[1]["self_attention"]["value"]["kernel"]) - np.asarray(earlier)).max() > 0
 
 
 def test_the_kinds_cached_decoding_and_beam_search_equal_teacher_forcing(trained):
     """Three hypotheses decoded together equal each one's teacher-forced pass; beam search (which reorders the
     hypotheses through CausalMean.reorder) scores each output with its teacher-forced log-probability."""
-    restored = trainer.restore(str(trained[0]))
+    restored = restore(str(trained[0]))
     model = nnx.merge(restored.graphdef, restored.params)
     inputs = jnp.minimum(INPUTS, restored.model_config.vocab_size - 1)
     targets = jnp.array([[0, 11, 12, 13, 14, 1], [0, 15, 16, 1, 0, 0]])

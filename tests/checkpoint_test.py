@@ -8,7 +8,8 @@ from tiny import tree_digest
 from transformer.checkpoint import CheckpointMismatchError, Checkpointer, abstract_like, average_params
 from transformer.model import ModelConfig
 from transformer.optim import OptimizerConfig, make_optimizer
-from transformer.trainer import create_train_state
+from transformer.plan import create_train_state
+
 
 SHAPES = dict(vocab_size=30, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, mlp_dim=32)
 

@@ -15,7 +15,9 @@ from transformer import corpus, data, sharding
 from transformer.model import ModelConfig
 from transformer.optim import OptimizerConfig, make_optimizer
 from transformer.decode import DecodeConfig
-from transformer.trainer import Settings, TrainConfig, abstract_train_state
+from transformer.plan import abstract_train_state
+from transformer.settings import Settings, TrainConfig
+
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
 CONFIG_NAMES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))

@@ -101,7 +101,7 @@ def set_aside(directory) -> list[str]:
 
 @pytest.fixture
 def warnings(caplog):
-    """The project's warnings (the "transformer" logger, which transformer.metrics keeps from the root logger)."""
+    """The project's warnings (the "transformer" logger, which transformer.console keeps from the root logger)."""
     logger = logging.getLogger("transformer")
     own = not logger.propagate  # else caplog's handler on the root logger sees them already
     if own:
@@ -322,6 +322,7 @@ import json, sys
 sys.path.insert(0, "tests")
 from damaged_checkpoint_test import assert_trees_equal, data_state, large, tree
 from transformer.checkpoint import Checkpointer, CheckpointSaveError, abstract_like
+from transformer.restore import restore
 directory = sys.argv[1]
 checkpointer = Checkpointer(directory, save_every_steps=2, keep=2)
 for step in (2, 4):
@@ -367,19 +368,20 @@ def test_a_save_onto_a_full_disk_raises_at_the_next_save_and_keeps_the_older_che
 def test_a_run_resumes_and_eval_restores_past_a_damaged_newest_checkpoint(tmp_path):
     from tiny import make_tiny_config
     from transformer import trainer
+    from transformer.restore import restore
 
     workdir = tmp_path / "run"
     trainer.Run(make_tiny_config(**{"decode.bleu_splits": ""}), str(workdir)).train()  # checkpoints 3 and 6
     damage_arrays(workdir / "checkpoints" / "6")
     damage_arrays(workdir / "params" / "6")  # the params snapshot of step 6 too, so nothing of it reads
-    restored = trainer.restore(str(workdir))
+    restored = restore(str(workdir))
     assert restored.step == 3  # the warning naming step 6 is tested on the Checkpointer above
     with pytest.raises(CheckpointUnreadableError, match="step 6"):
-        trainer.restore(str(workdir), 6)  # a step asked for by name is not replaced by another
+        restore(str(workdir), 6)  # a step asked for by name is not replaced by another
     run = trainer.Run(make_tiny_config(**{"decode.bleu_splits": "", "train.num_train_steps": 9}), str(workdir))
     assert int(run.state.step) == 3 and set_aside(workdir / "checkpoints")  # kept, under a name Orbax ignores
     run.train()
-    assert run.checkpointer.all_steps() == [3, 6, 9]  # step 6 saved again, nothing overwritten
+    assert run.checkpoints.states.all_steps() == [3, 6, 9]  # step 6 saved again, nothing overwritten
 
 
 def test_a_run_whose_save_fails_stops_with_the_step_and_keeps_the_older_checkpoints(tmp_path):
@@ -389,8 +391,8 @@ def test_a_run_whose_save_fails_stops_with_the_step_and_keeps_the_older_checkpoi
     workdir = tmp_path / "run"
     config = make_tiny_config(**{"decode.bleu_splits": "", "train.num_train_steps": 12, "train.eval_every_steps": 0})
     run = trainer.Run(config, str(workdir))
-    run.checkpointer.save(3, run.state, data_state=b"{}", force=True)  # a committed checkpoint to keep
-    run.checkpointer.wait()
+    run.checkpoints.states.save(3, run.state, data_state=b"{}", force=True)  # a committed checkpoint to keep
+    run.checkpoints.states.wait()
     before = contents(workdir / "checkpoints" / "3")
     with file_size_limit(64 * 1024), pytest.raises(CheckpointSaveError,
                                                    match=r"step (6|9) could not be saved.*steps \[3\]"):

@@ -360,7 +360,7 @@ def test_a_given_vocabulary_is_copied_into_the_workdir_and_another_one_refused(t
 
 
 def test_inputs_longer_than_learned_positions_are_cut_to_fit_keeping_eos(tokenizer, caplog):
-    """decode.search_ids with max_input_length (a model with learned positions, which has no embedding past
+    """decode.search_sentences with max_input_length (a model with learned positions, which has no embedding past
     them): a longer input keeps its first max_input_length - 1 ids and EOS, with a warning naming its line."""
     from transformer import decode
     from transformer.model import ModelConfig
@@ -381,7 +381,8 @@ def test_inputs_longer_than_learned_positions_are_cut_to_fit_keeping_eos(tokeniz
     logger = logging.getLogger("transformer")  # the project's console logger, which does not propagate
     logger.addHandler(caplog.handler)
     try:
-        outputs = decode.search_ids(search, None, tokenizer, sentences, batch_size=4, max_input_length=limit)
+        outputs = decode.search_sentences(search, None, tokenizer, sentences, batch_size=4,
+                                          max_input_length=limit).best_ids()
     finally:
         logger.removeHandler(caplog.handler)
     assert set(seen) == {tuple(short), tuple(long[:limit - 1]) + (EOS_ID,)}
@@ -389,5 +390,5 @@ def test_inputs_longer_than_learned_positions_are_cut_to_fit_keeping_eos(tokeniz
             "decoded and scored): line(s) 2") in caplog.text
     assert [list(ids) for ids in outputs] == [[EOS_ID], [EOS_ID]]
     seen.clear()
-    decode.search_ids(search, None, tokenizer, sentences, batch_size=4)  # sinusoids: no limit, nothing is cut
+    decode.search_sentences(search, None, tokenizer, sentences, batch_size=4)  # sinusoids: no limit, nothing is cut
     assert set(seen) == {tuple(short), tuple(long)}

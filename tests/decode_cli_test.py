@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 from tiny import TINY_OVERRIDES, tree_digest
 
-from transformer import data, decode, trainer
+from transformer import data, decode
 from transformer.tokenizer import Tokenizer
+from transformer.restore import load_workdir_config, restore
+from transformer.settings import Settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINES = ["The black cat sleeps in the garden.", "", "Two wolves are sad.", "The cat sleeps.",
@@ -51,10 +53,10 @@ def test_eval_and_translate_write_the_same_nbest_list_with_the_config_defaults(w
     nbest = (tmp_path / "hyp.nbest2.txt").read_text().splitlines()
     best = (tmp_path / "hyp.txt").read_text().splitlines()
     # What the same settings decode in this process: the flags reached the search.
-    restored = trainer.restore(str(workdir), average_last=2, decode_overrides=dict(
+    restored = restore(str(workdir), average_last=2, decode_overrides=dict(
         beam_size=2, length_penalty="fairseq", alpha=1.0, max_extra_length=2))
     search = restored.settings.decode.search_fn(restored.graphdef, restored.settings.seed)
-    found = decode.search_nbest(search, restored.params, restored.tokenizer, LINES, 5, nbest=2)
+    found = decode.search_sentences(search, restored.params, restored.tokenizer, LINES, 5).nbest(2)
     assert nbest == decode.nbest_lines(found, restored.tokenizer)
     assert best == [restored.tokenizer.decode(h[0].ids) if h else "" for h in found] and best[1] == ""
     for ids, hypotheses in zip(restored.tokenizer.encode(LINES), found):
@@ -107,14 +109,14 @@ def test_evaluations_beside_a_save_in_flight_keep_their_own_results_and_count_th
         long.write_text("\n".join([LINES[0], " ".join([LINES[4]] * 12), LINES[2]]) + "\n")
         result = run("eval.py", f"--workdir={workdir}", f"--input={long}")
         assert result.returncode == 0, result.stderr[-3000:]
-        assert f"{long}: 1 of 3 source sentence(s) longer than 48 tokens cut to their first 47 and EOS" in result.stdout
+        assert f"{long}: 1 of 3 source sentence(s) longer than 48 tokens cut to their first 47 and EOS" in result.stderr
         [cut] = json.loads((workdir / "eval" / "scores.long.txt.avg2_step6.greedy-extra4.json").read_text())
         assert (cut["step"], cut["inputs_cut"], cut["max_input_length"], cut["sentences"]) == (6, 1, 48, 3)
         assert len((workdir / "eval" / "long.txt.avg2_step6.greedy-extra4.txt").read_text().splitlines()) == 3
         result = run("eval.py", f"--workdir={workdir}", "--split=valid", "--beam_size=2")
         assert result.returncode == 0, result.stderr[-3000:]
         [valid] = json.loads((workdir / "eval" / "scores.valid.avg2_step6.beam2-gnmt0.6-extra4.json").read_text())
-        settings = trainer.Settings.from_config(trainer.load_workdir_config(str(workdir)))
+        settings = Settings.from_config(load_workdir_config(str(workdir)))
         sources = [source for source, _ in data.read_split(settings.data, "valid")]
         too_long = sum(len(ids) > 48 for ids in Tokenizer(str(workdir / "vocab.model")).encode(sources))
         assert valid["step"] == 6 and valid["inputs_cut"] == too_long > 0 and 0.0 <= valid["bleu"] <= 100.0

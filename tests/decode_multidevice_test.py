@@ -30,14 +30,14 @@ def setup(tmp_path_factory):
 
 def test_8_devices_decode_what_one_does_in_input_order(setup):
     tokenizer, params, searches, one_device = setup
-    assert decode.rows_per_batch(5, rows_over(jax.devices())) == 8
+    assert decode.device_rows(5, rows_over(jax.devices())) == 8
     # The default: every device, the params being on none.
     decode_setup.assert_same_hypotheses(decode_setup.decode_all(searches, params, tokenizer), one_device)
     # Reversed, each sentence lands in another row and batch: its hypotheses follow it (sampling's follow
     # its index, so only the searches).
     reversed_sentences = decode_setup.sentences(tokenizer)[::-1]
     for name in ("greedy", "beam"):
-        ids = decode.search_ids(searches[name], params, tokenizer, reversed_sentences, 5)
+        ids = decode.search_sentences(searches[name], params, tokenizer, reversed_sentences, 5).best_ids()
         assert [x.tolist() for x in ids[::-1]] == [h[0][0] if h else [] for h in one_device[name]], name
 
 
@@ -64,4 +64,5 @@ def test_params_on_a_trainer_mesh_decode_on_its_batch_axes(setup):
     beam = {"beam": searches["beam"]}  # the search with the most state to split
     decode_setup.assert_same_hypotheses(decode_setup.decode_all(beam, placed, tokenizer), {"beam": one_device["beam"]})
     with pytest.raises(ValueError, match="incompatible devices"):
-        decode.search_ids(searches["greedy"], placed, tokenizer, ["A cat."], 8, batch_sharding=rows_over(jax.devices()))
+        decode.search_sentences(searches["greedy"], placed, tokenizer, ["A cat."], 8,
+                                batch_sharding=rows_over(jax.devices()))

@@ -47,8 +47,8 @@ def decode_all(searches: dict, params, tokenizer: Tokenizer, batch_sharding=None
     A batch of 5 rows and 13 sentences: neither divides the other, nor 5 the device counts."""
     found = {}
     for name, search in searches.items():
-        hypotheses = decode.search_hypotheses(search, params, tokenizer, sentences(tokenizer), batch_size,
-                                              batch_sharding=batch_sharding, call=0)
+        hypotheses = decode.search_sentences(search, params, tokenizer, sentences(tokenizer), batch_size,
+                                             batch_sharding=batch_sharding, call=0).hypotheses
         found[name] = [[[h.ids.tolist(), h.score] for h in sentence] for sentence in hypotheses]
     return found
 

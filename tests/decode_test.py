@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 from transformer.decode import (NEG_INF, DecodeConfig, beam_search, budget_batches, cache_blocks_for,
-                                command_line_settings, greedy_search, length_penalty, make_search, nbest_lines,
-                                sampling_logits, search_ids, search_nbest, search_sentences)
+                                greedy_search, length_penalty, make_search, nbest_lines,
+                                sampling_logits, search_sentences)
 from transformer.model import ModelConfig, build as build_model
 from transformer.model.attention import blocked_attention, dot_product_attention, to_cache_layout, write_cache_rows
 from transformer.steps import shift_right
@@ -321,14 +321,15 @@ def test_sampling_draws_fresh_noise_each_call_and_reproduces_from_seed_and_call_
     def sampler():
         return make_search(graphdef, max_extra_length=decode_setup.MAX_EXTRA_LENGTH, temperature=1.0, seed=7)
     search = sampler()
-    first, second = (search_ids(search, params, tokenizer, sentences, 8) for _ in range(2))
+    first, second = (search_sentences(search, params, tokenizer, sentences, 8).best_ids() for _ in range(2))
     assert search.calls == 2 and len(first[3]) == 0
     assert any(not np.array_equal(a, b) for a, b in zip(first, second))
     def same(a, b):
         return all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
-    assert same(search_ids(sampler(), params, tokenizer, sentences, 8), first)  # a new search counts from 0
+    assert same(search_sentences(sampler(), params, tokenizer, sentences, 8).best_ids(), first)  # counts from 0
     # A pinned call index, in batches of another size: each sentence's noise is its own.
-    assert same(search_ids(search, params, tokenizer, sentences, 4, call=1), second) and search.calls == 2
+    again = search_sentences(search, params, tokenizer, sentences, 4, call=1).best_ids()
+    assert same(again, second) and search.calls == 2
 
 
 @pytest.mark.parametrize("beam_size, penalty", [(4, "fairseq"), (1, "gnmt")])  # beam search, scored greedy
@@ -337,7 +338,7 @@ def test_nbest_lists_distinct_hypotheses_best_first_scored_by_the_penalty(transl
     count, alpha = min(3, beam_size), 1.0
     search = make_search(graphdef, max_extra_length=decode_setup.MAX_EXTRA_LENGTH, beam_size=beam_size, alpha=alpha,
                          penalty=penalty, scores=True)
-    nbest = search_nbest(search, params, tokenizer, sentences, 8, nbest=count)
+    nbest = search_sentences(search, params, tokenizer, sentences, 8).nbest(count)
     assert nbest[3] == [] and all(len(hypotheses) == count for i, hypotheses in enumerate(nbest) if i != 3)
     found = [(i, h) for i, hypotheses in enumerate(nbest) for h in hypotheses]
     for hypotheses in nbest:
@@ -353,7 +354,7 @@ def test_nbest_lists_distinct_hypotheses_best_first_scored_by_the_penalty(transl
     lengths = [len(h.ids) for _, h in found]
     np.testing.assert_allclose([h.score for _, h in found], log_probs / penalty_formula(lengths, alpha, penalty),
                                rtol=1e-4, atol=1e-4)
-    best = search_ids(search, params, tokenizer, sentences, 8)
+    best = search_sentences(search, params, tokenizer, sentences, 8).best_ids()
     assert all(np.array_equal(b, h[0].ids) for b, h in zip(best, nbest) if h)
     lines = nbest_lines(nbest, tokenizer, first_index=10)
     index, text, log_prob, score = lines[0].split(" ||| ")
@@ -367,32 +368,16 @@ def test_nbest_needs_a_scored_search_keeping_that_many(translation):
     tokenizer, graphdef, params, sentences = translation
     beam = make_search(graphdef, max_extra_length=4, beam_size=2)
     with pytest.raises(ValueError, match="nbest=3 must be between 1 and the 2 hypotheses"):
-        search_nbest(beam, params, tokenizer, sentences, 8, nbest=3)
+        search_sentences(beam, params, tokenizer, sentences, 8).nbest(3)
     with pytest.raises(ValueError, match="need a scored Search"):
-        search_nbest(make_search(graphdef, max_extra_length=4), params, tokenizer, sentences, 8, nbest=1)
+        search_sentences(make_search(graphdef, max_extra_length=4), params, tokenizer, sentences, 8).nbest(1)
 
 
-def test_decode_settings_and_command_line_flags_fail_clearly_and_share_one_default_rule():
+def test_decode_settings_fail_clearly_naming_the_key():
     with pytest.raises(ValueError, match=r"decode.top_p=1.5 must be in \[0, 1\]"):
         DecodeConfig(top_p=1.5)
     with pytest.raises(ValueError, match="decode.length_penalty='wu' must be one of"):
         DecodeConfig(length_penalty="wu")
-    saved = {"beam_size": 4, "average_last": 5, "batch_size": 64, "bleu_splits": "valid"}
-    # Unset flags (None) take the workdir's value, average_last included; --best averages nothing.
-    assert command_line_settings(saved, step=None, average_last=None, best=False, alpha=None) == (5, {})
-    assert command_line_settings(saved, step=None, average_last=None, best=True) == (0, {})
-    assert command_line_settings(saved, step=3, average_last=2, best=False, batch_size=8, nbest=4) == (
-        2, {"batch_size": 8})
-    for flags, message in [({"nbest": 5}, "--nbest=5 must be between 0 \\(off\\) and decode.beam_size=4"),
-                           ({"nbest": 2, "beam_size": 1}, "decode.beam_size=1"),
-                           ({"max_extra_length": -1}, "--max_extra_length=-1 must be >= 0"),
-                           ({"batch_size": 0}, "--batch_size=0 must be positive"),
-                           ({"average_last": -1}, "--average_last=-1 must be >= 0"),
-                           ({"best": True, "step": 3}, "--best chooses one checkpoint")]:
-        with pytest.raises(ValueError, match=message):
-            command_line_settings(saved, **{"step": None, "average_last": None, "best": False, **flags})
-    with pytest.raises(ValueError, match="decode.temperature=1.0 samples one per sentence"):
-        command_line_settings({**saved, "temperature": 1.0}, step=None, average_last=None, best=False, nbest=2)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -503,9 +488,9 @@ def test_a_token_budget_changes_no_output_and_keeps_the_input_order(translation)
     tokenizer, graphdef, params, sentences = translation
     search = make_search(graphdef, max_extra_length=decode_setup.MAX_EXTRA_LENGTH, beam_size=2, alpha=0.6)
     budget = 2 * 16  # the 16-token bucket holds 2 rows, the 8-token one 4: several batch shapes
-    whole = search_ids(search, params, tokenizer, sentences, 8)
-    budgeted = search_ids(search, params, tokenizer, sentences, 8, max_tokens_per_batch=budget)
+    whole = search_sentences(search, params, tokenizer, sentences, 8).best_ids()
+    budgeted = search_sentences(search, params, tokenizer, sentences, 8, max_tokens_per_batch=budget).best_ids()
     assert all(np.array_equal(a, b) for a, b in zip(budgeted, whole, strict=True)) and len(whole[3]) == 0
     seen = []
-    search_ids(recording_search(seen), params, tokenizer, sentences, 8, max_tokens_per_batch=budget)
+    search_sentences(recording_search(seen), params, tokenizer, sentences, 8, max_tokens_per_batch=budget)
     assert {batch.shape for batch in seen} <= {(4, 8), (2, 16)} and (2, 16) in {batch.shape for batch in seen}

@@ -20,6 +20,9 @@ from transformer import data, decode, trainer
 from transformer.model import ModelConfig, unstack_layer_params
 from transformer.model.masks import sinusoidal_positions
 from transformer.tokenizer import EOS_ID, PAD_ID, UNK_ID
+from transformer.plan import init_params, model_graphdef
+from transformer.restore import restore
+from transformer.workdir import CONFIG_FILE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 export = load_script("export")
@@ -49,7 +52,7 @@ def write_workdir_config(workdir, **overrides):
     """A workdir with config.json alone: enough for every refusal, which comes before any restore."""
     config = make_tiny_config(**{"model.layer_norm_epsilon": 1e-5, **overrides})
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, trainer.CONFIG_FILE), "w", encoding="utf-8") as handle:
+    with open(os.path.join(workdir, CONFIG_FILE), "w", encoding="utf-8") as handle:
         handle.write(config.to_json(indent=2))
     return str(workdir)
 
@@ -123,7 +126,7 @@ def shifted(targets) -> np.ndarray:
 
 
 def our_logits(model_config, params, inputs, decoder_inputs):
-    model = nnx.merge(trainer.model_graphdef(model_config), params)
+    model = nnx.merge(model_graphdef(model_config), params)
     return np.asarray(model(jnp.asarray(inputs), jnp.asarray(decoder_inputs)))
 
 
@@ -142,7 +145,7 @@ def test_marian_computes_our_logits_for_every_embedding_tie_and_scanned_layers(l
     hf_modules()
     model_config = ModelConfig(vocab_size=40, emb_dim=16, num_heads=4, num_encoder_layers=2, num_decoder_layers=2,
                                mlp_dim=32, layer_norm_epsilon=1e-5, **layout)
-    params = trainer.init_params(model_config, jax.random.key(1))
+    params = init_params(model_config, jax.random.key(1))
     # Not the initial ones and zeros: LayerNorm's and the feed-forward's biases and scales must land in place too.
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(2), len(leaves))
@@ -187,7 +190,8 @@ def our_greedy(restored, sentences, max_extra_length):
     """Our greedy translations (ids, EOS included) and each one's limit: up to the (cut) source's length +
     max_extra_length tokens, EOS forced at the last."""
     search = decode.make_search(restored.graphdef, max_extra_length=max_extra_length, beam_size=1)
-    ours = decode.search_ids(search, restored.params, restored.tokenizer, sentences, 8, restored.input_bound)
+    ours = decode.search_sentences(search, restored.params, restored.tokenizer, sentences, 8,
+                                   restored.input_bound).best_ids()
     limits = [min(len(x), restored.input_bound) + max_extra_length for x in restored.tokenizer.encode(sentences)]
     return ours, limits
 
@@ -284,7 +288,7 @@ def test_the_command_line_exports_the_named_step_and_says_what_it_wrote(trained,
     assert result.stdout.strip() == (f"wrote a Hugging Face MarianMTModel of step150 to {output}: config.json, "
                                      "generation_config.json, model.safetensors, source.spm, target.spm, vocab.json "
                                      f"({exported[1].tokenizer.vocab_size} pieces)")
-    restored = trainer.restore(trained, 150)
+    restored = restore(trained, 150)
     expected = export.marian_state_dict(restored.params, restored.model_config)
     loaded = transformers.MarianMTModel.from_pretrained(str(output)).state_dict()
     for name, value in expected.items():
@@ -305,9 +309,9 @@ def test_the_epsilon_flag_exports_a_model_within_that_epsilon_of_ours(trained, e
     workdir = tmp_path / "run"
     shutil.copytree(trained, workdir, ignore=shutil.ignore_patterns("tokens", "compilation_cache", "tensorboard",
                                                                     "export"))
-    config = json.loads((workdir / trainer.CONFIG_FILE).read_text())
+    config = json.loads((workdir / CONFIG_FILE).read_text())
     config["model"]["layer_norm_epsilon"] = 1e-6
-    (workdir / trainer.CONFIG_FILE).write_text(json.dumps(config))
+    (workdir / CONFIG_FILE).write_text(json.dumps(config))
     with pytest.raises(export.ExportError, match="layer_norm_epsilon=1e-06"):
         export.export(str(workdir), str(tmp_path / "refused"))
     output, other = export.export(str(workdir), str(tmp_path / "hf"), allow_epsilon_change=True)

@@ -18,6 +18,7 @@ from transformer.features import FeatureExtractor
 from transformer.model import ModelConfig, build, join_pair
 from transformer.model.masks import prefix_lm_mask
 from transformer.tokenizer import EOS_ID
+from transformer.settings import Settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = dict(vocab_size=40, emb_dim=32, num_heads=4, mlp_dim=64)
@@ -115,7 +116,7 @@ def test_the_families_build_only_their_stacks_and_refuse_what_they_cannot_be():
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             ModelConfig(**fields)
     with pytest.raises(ValueError, match="train.bleu_every_steps=3 needs BLEU"):
-        trainer.Settings.from_config(make_tiny_config(**{"model.family": "encoder_only",
+        Settings.from_config(make_tiny_config(**{"model.family": "encoder_only",
                                                          "model.num_decoder_layers": 0, "train.bleu_every_steps": 3}))
 
 

@@ -16,7 +16,8 @@ from transformer import loop, optim, trainer
 from transformer.model import ModelConfig
 from transformer.optim import OptimizerConfig, make_optimizer
 from transformer.steps import TrainState, train_step
-from transformer.trainer import create_train_state, model_graphdef
+from transformer.plan import create_train_state, model_graphdef
+
 
 
 class FakeTime:
@@ -126,6 +127,67 @@ def test_a_timed_checkpoint_is_due_an_interval_after_the_last_save():
     assert not loop.TimedCheckpoint(minutes=0.0).due(seconds=1e9, saved_at=0.0)
 
 
+class FakeLoop:
+    """What the actions act on (trainer.Loop's services), recording what they ask of it."""
+
+    def __init__(self, state, seconds=0.0, final_step=100):
+        self.state, self.final_step, self.saved_at = state, final_step, 0.0
+        self.now = FakeTime()
+        self.clock = loop.Clock(seconds, timed=False, now=self.now)
+        self.budget = loop.TimeBudget(minutes=0.0, log_every_steps=10)
+        self.progress, self.saves, self.written = Lines(), [], []
+
+    def save(self, step, force=False):
+        self.saves.append((step, force))
+
+    def pace(self, step):
+        return 1.0
+
+    def score_final(self):
+        self.now.now += 50.0  # scoring takes a while: off the training clock
+        return {"bleu": 1.0}
+
+    def write_reports(self, reports):
+        self.written.append(dict(reports))
+
+
+def test_the_actions_act_through_the_loop_at_their_hooks():
+    part = FakeLoop(tiny_state(0.25))
+    checkpoint, log_every = loop.Checkpoint(3), loop.Every(2, syncs=True)
+    assert [s for s in range(1, 7) if checkpoint.syncs(part, s)] == [3, 6]
+    assert [s for s in range(1, 7) if log_every.syncs(part, s)] == [2, 4, 6]
+    checkpoint.end_of_step(part, 4)
+    assert part.saves == [(4, False)]  # every step asks: the checkpointer keeps to its interval
+    evaluated = []
+    loop.Every(3, lambda loop_, step: evaluated.append(step)).off_the_clock(part, 3)
+    assert evaluated == [3] and not loop.Every(3, evaluated.append).syncs(part, 3)
+
+    cooldown = loop.Cooldown(0.25, num_train_steps=100, opt_state=part.state.opt_state, progress=part.progress)
+    cooldown.before_step(part, 76)  # begun by the step count, in the loop's state
+    assert optim.cooldown_steps(part.state.opt_state) == (76, 100) and cooldown.syncs(part, 100)
+    assert cooldown.stop_reason(part, 99) is None
+
+    budget = loop.TimeBudget(minutes=1.0, log_every_steps=10)
+    budget.update(step=20, steps=10, seconds_before=0.0, seconds_now=59.5)  # under a step of budget left
+    assert budget.stop_reason(part, 20).startswith("the time budget of train.max_train_minutes=1 is spent")
+    assert part.progress.lines[-1].startswith("step 20: the time budget")
+
+    timed = loop.TimedCheckpoint(minutes=1.0)
+    part.clock.seconds, part.saved_at = 90.0, 20.0
+    timed.at_sync(part, 30)
+    assert part.saves[-1] == (30, True)
+
+    marks = loop.ReportMarks([1.0], reports={})
+    marks.at_sync(part, 30)  # 90 s of training: the 1-minute mark is passed
+    assert part.saves[-1] == (30, True) and part.written == [{"1": {"bleu": 1.0}}]
+    assert part.clock.tick() == 0.0  # the scoring's 50 s are not training time
+
+    preemption = loop.Preemption()
+    assert not preemption.syncs(part, 5) and preemption.stop_reason(part, 5) is None
+    preemption.received = "SIGTERM"
+    assert preemption.syncs(part, 6) and preemption.stop_reason(part, 6) == "preempted by SIGTERM"
+
+
 def test_a_stop_signal_is_noticed_at_the_next_step_and_the_handlers_are_put_back():
     before = signal.getsignal(signal.SIGTERM)
     with loop.Preemption() as preemption:
@@ -183,8 +245,8 @@ def test_a_run_that_diverges_stops_at_the_step_naming_it_and_saves_nothing_after
     with pytest.raises(loop.NonFiniteError, match=r"non-finite training \w+.* at step (\d+)") as error:
         run.train()
     bad_step = int(str(error.value).split(" at step ")[1].split()[0])
-    run.checkpointer.wait()
-    assert 1 <= bad_step <= 3 and all(step < bad_step for step in run.checkpointer.all_steps())
+    run.checkpoints.states.wait()
+    assert 1 <= bad_step <= 3 and all(step < bad_step for step in run.checkpoints.states.all_steps())
     assert f"last good checkpoint: {'none' if bad_step == 1 else 'step'}" in str(error.value)
 
 

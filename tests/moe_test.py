@@ -18,7 +18,8 @@ from transformer.model.blocks import Inputs
 from transformer.model.experts import MoEFeedForward, expert_capacity, route
 from transformer.model.feed_forward import FeedForward
 from transformer.steps import step_metrics
-from transformer.trainer import Settings
+from transformer.settings import Settings
+
 
 MOE = ModelConfig(vocab_size=40, emb_dim=16, num_heads=2, num_encoder_layers=2, num_decoder_layers=2, mlp_dim=32,
                   num_experts=4, experts_per_token=2, expert_every=2)

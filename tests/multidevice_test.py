@@ -16,11 +16,13 @@ import pytest
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (run by sharding_test.py)")
 
-from transformer import sharding, trainer  # noqa: E402
+from transformer import sharding  # noqa: E402
 from transformer.checkpoint import Checkpointer  # noqa: E402
 from transformer.model import ModelConfig  # noqa: E402
 from transformer.model.config import ATTENTION_FIELDS, allowed_kinds  # noqa: E402
 from transformer.optim import OptimizerConfig, make_optimizer  # noqa: E402
+from transformer.plan import abstract_train_state, create_train_state, make_steps, model_graphdef, state_shardings
+from transformer.settings import Settings, TrainConfig
 
 MODEL = ModelConfig(vocab_size=64, emb_dim=32, num_heads=4, num_encoder_layers=1, num_decoder_layers=1, mlp_dim=64,
                     dropout_rate=0.1)
@@ -45,11 +47,11 @@ def setup(mesh_sizes, model=MODEL, num_microbatches=1):
     # reduction order (~1e-9 on a gradient) into ~1e-5 on a parameter at the paper's eps=1e-9 (seen here even at 1e-6).
     # eps=1e-3 keeps that slope near 1, so 1e-5 measures the sharding and accumulation, not that amplification.
     optimizer, schedule = make_optimizer(OptimizerConfig(warmup_steps=10, adam_eps=1e-3), model.emb_dim)
-    shardings = trainer.state_shardings(model, optimizer, mesh, mesh_config)
+    shardings = state_shardings(model, optimizer, mesh, mesh_config)
     batch_sharding = sharding.batch_sharding(mesh, mesh_config)
-    train, _ = trainer.make_steps(trainer.model_graphdef(model), optimizer, schedule,
-                                  trainer.TrainConfig(num_microbatches=num_microbatches), shardings, batch_sharding)
-    state = trainer.create_train_state(model, optimizer, seed=0, shardings=shardings)
+    train, _ = make_steps(model_graphdef(model), optimizer, schedule,
+                                  TrainConfig(num_microbatches=num_microbatches), shardings, batch_sharding)
+    state = create_train_state(model, optimizer, seed=0, shardings=shardings)
     return state, train, batch_sharding, shardings, optimizer
 
 
@@ -159,9 +161,9 @@ def test_a_checkpoint_saved_on_one_mesh_restores_onto_another(tmp_path):
     saver.close()
     mesh_config = sharding.MeshConfig(1, 4, 2)
     mesh = sharding.make_mesh(mesh_config)
-    shardings = trainer.state_shardings(MODEL, optimizer, mesh, mesh_config)
+    shardings = state_shardings(MODEL, optimizer, mesh, mesh_config)
     reader = Checkpointer(str(tmp_path / "checkpoints"), save_every_steps=1, keep=1, use_async=False, read_only=True)
-    restored = reader.restore(trainer.abstract_train_state(MODEL, optimizer, 0, shardings), 1)
+    restored = reader.restore(abstract_train_state(MODEL, optimizer, 0, shardings), 1)
     reader.close()
     for a, b, s in zip(jax.tree.leaves(restored), jax.tree.leaves(state), jax.tree.leaves(shardings)):
         assert a.sharding == s
@@ -207,11 +209,11 @@ def test_compile_only_reports_the_memory_per_device_of_a_mesh_before_anything_is
     assert memory["total_per_device_bytes"] == (memory["argument_size_in_bytes"] + memory["output_size_in_bytes"]
                                                 - memory["alias_size_in_bytes"] + memory["temp_size_in_bytes"])
     assert memory["alias_size_in_bytes"] > 0  # the state is donated
-    settings = trainer.Settings.from_config(config)
+    settings = Settings.from_config(config)
     model_config = settings.model_config(64)
     optimizer, _ = make_optimizer(settings.optimizer, model_config.emb_dim)
     state_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(
-        trainer.abstract_train_state(model_config, optimizer, 0)))
+        abstract_train_state(model_config, optimizer, 0)))
     # An eighth of the state (and of the batch) per device, plus the replicated scalars: well under a quarter.
     assert memory["argument_size_in_bytes"] < 0.25 * state_bytes
     config.mesh.data, config.mesh.fsdp = 8, 1

@@ -14,7 +14,9 @@ import pytest
 from multiprocess_test import free_port
 from tiny import TINY_OVERRIDES
 
-from transformer import data, trainer
+from transformer import data
+from transformer.restore import load_workdir_config, restore
+from transformer.settings import Settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = {**TINY_OVERRIDES, "train.num_train_steps": 12, "train.log_every_steps": 3,
@@ -83,8 +85,8 @@ def test_four_hosts_stopped_and_resumed_on_two_end_like_one_process(tmp_path):
     hosts = json.loads((tmp_path / "hosts" / "scores.json").read_text())
     assert hosts["averaged_steps"] == one["averaged_steps"] == [6, 9, 12]
     assert hosts["bleu"]["valid"]["bleu"] == one["bleu"]["valid"]["bleu"]
-    a = trainer.restore(str(tmp_path / "one"), average_last=3).params
-    b = trainer.restore(str(tmp_path / "hosts"), average_last=3).params
+    a = restore(str(tmp_path / "one"), average_last=3).params
+    b = restore(str(tmp_path / "hosts"), average_last=3).params
     worst = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a),
                                                                                    jax.tree.leaves(b)))
     print(f"largest parameter difference, 4+2 hosts against one process: {worst:.3g}")
@@ -103,7 +105,7 @@ def test_four_hosts_stopped_and_resumed_on_two_end_like_one_process(tmp_path):
 
     # translate as 2 processes x 4 devices writes what it writes as one process.
     sources = tmp_path / "sources.txt"
-    settings = trainer.Settings.from_config(trainer.load_workdir_config(str(tmp_path / "hosts")))
+    settings = Settings.from_config(load_workdir_config(str(tmp_path / "hosts")))
     sources.write_text("".join(s + "\n" for s, _ in data.read_split(settings.data, "valid")[:40]))
     outputs = {}
     for processes, devices in ((1, 8), (2, 4)):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from tiny import TINY_OVERRIDES, metric_records
 
-from transformer import trainer
+from transformer.restore import restore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = {**TINY_OVERRIDES, "train.num_train_steps": 20, "train.log_every_steps": 10,
@@ -50,7 +50,7 @@ def test_two_processes_end_with_the_parameters_of_one(tmp_path):
     def records(name):  # one writer: process 1 adds no line to the shared workdir's metrics.jsonl
         return [(record["step"], record["split"]) for record in metric_records(tmp_path / name)]
     assert records("multi") == records("single")
-    one, two = trainer.restore(str(tmp_path / "single")), trainer.restore(str(tmp_path / "multi"))
+    one, two = restore(str(tmp_path / "single")), restore(str(tmp_path / "multi"))
     assert one.step == two.step == 20
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(two.params)[0], jax.tree.leaves(one.params)):
         np.testing.assert_allclose(a, b, atol=1e-5, err_msg=jax.tree_util.keystr(path))

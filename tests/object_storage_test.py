@@ -12,8 +12,12 @@ import pytest
 from etils.epath import backend, gpath
 from tiny import make_tiny_config
 
-from transformer import corpus, data, files, metrics, token_cache, trainer
+from transformer import corpus, data, files, metrics, sharding, token_cache, trainer
 from transformer.workdir import WorkdirInUseError, WorkdirLock
+from transformer.plan import BatchShape, recorded_batch
+from transformer.restore import load_workdir_config
+from transformer.settings import Settings
+from transformer.workdir import CONFIG_FILE, read_run_file, record_start
 
 
 class MemoryBackend(backend._FileSystemSpecBackend):
@@ -68,10 +72,10 @@ def test_a_local_workdir_is_its_own_local_directory_and_a_url_gets_a_mirror(tmp_
     assert files.absolute("gs://bucket/x") == "gs://bucket/x" and files.absolute("x") == os.path.abspath("x")
 
 
-def settings_with_cache(directory) -> trainer.Settings:
+def settings_with_cache(directory) -> Settings:
     config = make_tiny_config()
     config.data.local_cache_dir = str(directory)
-    return trainer.Settings.from_config(config)
+    return Settings.from_config(config)
 
 
 def test_the_vocabulary_and_token_cache_are_published_and_a_second_host_reads_neither_split(bucket, tmp_path,
@@ -124,15 +128,15 @@ def test_metrics_are_published_and_a_resume_drops_records_after_its_step(bucket,
 
 def test_run_records_and_the_workdir_config_read_back_from_a_bucket(bucket):
     workdir = f"{bucket}/run"
-    settings = trainer.Settings.from_config(make_tiny_config())
-    batch = trainer.BatchShape(8, 16)
-    mesh = trainer.sharding.make_mesh(settings.mesh)
-    trainer.record_start(workdir, batch, mesh, settings)
-    trainer.record_start(workdir, batch, mesh, settings)
-    assert trainer.recorded_batch(workdir) == batch
-    assert len(trainer.read_run_file(workdir)["starts"]) == 2
-    files.write_text(f"{workdir}/{trainer.CONFIG_FILE}", make_tiny_config().to_json())
-    assert trainer.load_workdir_config(workdir)["data"]["max_length"] == make_tiny_config().data.max_length
+    settings = Settings.from_config(make_tiny_config())
+    batch = BatchShape(8, 16)
+    mesh = sharding.make_mesh(settings.mesh)
+    record_start(workdir, batch, mesh, settings.train.num_microbatches)
+    record_start(workdir, batch, mesh, settings.train.num_microbatches)
+    assert recorded_batch(workdir) == batch
+    assert len(read_run_file(workdir)["starts"]) == 2
+    files.write_text(f"{workdir}/{CONFIG_FILE}", make_tiny_config().to_json())
+    assert load_workdir_config(workdir)["data"]["max_length"] == make_tiny_config().data.max_length
 
 
 def test_the_workdir_lock_on_a_bucket_refuses_a_second_job_and_is_freed(bucket):

@@ -15,6 +15,7 @@ from multiprocess_test import free_port
 from tiny import TINY_OVERRIDES, make_tiny_config
 
 from transformer import loop, trainer
+from transformer.restore import restore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Enough steps that a signal sent at the first logged step finds the run still training.
@@ -42,7 +43,7 @@ def committed(workdir):
 
 
 def final_params(workdir):
-    return jax.tree.leaves(jax.device_get(trainer.restore(str(workdir)).params))
+    return jax.tree.leaves(jax.device_get(restore(str(workdir)).params))
 
 
 def test_sigterm_commits_the_step_exits_75_and_the_same_command_resumes_bitwise(tmp_path):
@@ -61,7 +62,7 @@ def test_sigterm_commits_the_step_exits_75_and_the_same_command_resumes_bitwise(
 
     resumed = subprocess.run(command(workdir), capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {workdir / 'checkpoints'} at step {stopped}" in resumed.stdout
+    assert f"resumed from {workdir / 'checkpoints'} at step {stopped}" in resumed.stderr
     straight = tmp_path / "straight"
     trainer.Run(make_tiny_config(**OVERRIDES), str(straight)).train()
     for a, b in zip(final_params(straight), final_params(workdir)):

@@ -11,13 +11,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from transformer import decode, trainer
+from transformer import decode
+from transformer.steps import train_step
 from transformer.checkpoint import CheckpointMismatchError, Checkpointer, abstract_like
 from transformer.model import ModelConfig, build, stack_layer_params, unstack_layer_params
 from transformer.model.blocks import Inputs
 from transformer.model.layers import LayerStack
 from transformer.model.masks import SelfMask, attention_mask
 from transformer.optim import OptimizerConfig, make_optimizer
+from transformer.plan import abstract_train_state, count_params, create_train_state, model_graphdef
 
 TINY = dict(vocab_size=40, emb_dim=32, num_heads=4, num_encoder_layers=2, num_decoder_layers=3, mlp_dim=64)
 INPUTS = jnp.array([[5, 6, 7, 8, 1, 0, 0], [9, 10, 1, 0, 0, 0, 0]])
@@ -34,7 +36,7 @@ def pair(**overrides):
     config = ModelConfig(**{**TINY, **overrides})
     graphdef, state = nnx.split(build(config, rngs=nnx.Rngs(0)))
     params = nnx.to_pure_dict(state)
-    scanned_graphdef = trainer.model_graphdef(dataclasses.replace(config, scan_layers=True))
+    scanned_graphdef = model_graphdef(dataclasses.replace(config, scan_layers=True))
     return (graphdef, params), (scanned_graphdef, stack_layer_params(params))
 
 
@@ -75,7 +77,7 @@ def test_stacks_hold_each_parameter_once_with_a_leading_layer_axis_named_layers(
     per_layer = params_of(build(ModelConfig(**TINY), rngs=nnx.Rngs(0)))
     stacked = params_of(model)
     assert jax.tree.structure(stack_layer_params(per_layer)) == jax.tree.structure(stacked)
-    assert trainer.count_params(per_layer) == trainer.count_params(stacked)
+    assert count_params(per_layer) == count_params(stacked)
     unstacked = unstack_layer_params(stack_layer_params(per_layer))
     assert all(jax.tree.leaves(jax.tree.map(lambda a, b: np.array_equal(a, b), unstacked, per_layer)))
 
@@ -129,8 +131,8 @@ def test_the_traced_train_step_does_not_grow_with_depth():
         config = ModelConfig(**{**TINY, "num_encoder_layers": layers, "num_decoder_layers": layers},
                              scan_layers=scan, dropout_rate=0.1)
         optimizer, schedule = make_optimizer(OptimizerConfig(), config.emb_dim)
-        state = trainer.abstract_train_state(config, optimizer, 0)
-        step = functools.partial(trainer.train_step, graphdef=trainer.model_graphdef(config), optimizer=optimizer,
+        state = abstract_train_state(config, optimizer, 0)
+        step = functools.partial(train_step, graphdef=model_graphdef(config), optimizer=optimizer,
                                  schedule=schedule, label_smoothing=0.1)
         batch = {"inputs": INPUTS, "targets": DECODER_INPUTS}
         return len(jax.make_jaxpr(step)(state, batch).jaxpr.eqns)
@@ -176,13 +178,13 @@ def test_a_train_step_of_the_scanned_model_under_remat_equals_the_per_layer_mode
     config = ModelConfig(**TINY, dropout_rate=0.0)
     scanned_config = dataclasses.replace(config, scan_layers=True, remat=True)
     optimizer, schedule = make_optimizer(OptimizerConfig(warmup_steps=10, adam_eps=1e-3), config.emb_dim)
-    state = trainer.create_train_state(config, optimizer, seed=0)
+    state = create_train_state(config, optimizer, seed=0)
     stacked = stack_layer_params(state.params)
     scanned_state = state.replace(params=stacked, opt_state=optimizer.init(stacked))
     batch = {"inputs": np.asarray(INPUTS[:, :6]), "targets": np.asarray(DECODER_INPUTS[:, 1:])}
     outputs, jaxprs = [], []
     for c, s in ((config, state), (scanned_config, scanned_state)):
-        step = functools.partial(trainer.train_step, graphdef=trainer.model_graphdef(c), optimizer=optimizer,
+        step = functools.partial(train_step, graphdef=model_graphdef(c), optimizer=optimizer,
                                  schedule=schedule, label_smoothing=0.1)
         outputs.append(jax.jit(step)(s, batch))
         jaxprs.append(primitives(jax.make_jaxpr(step)(s, batch).jaxpr))
@@ -200,11 +202,11 @@ def test_a_train_step_of_the_scanned_model_under_remat_equals_the_per_layer_mode
 def test_a_checkpoint_of_the_other_layout_is_refused_by_name(tmp_path, saved_scan):
     shapes = dict(TINY, num_encoder_layers=1, num_decoder_layers=1)
     optimizer, _ = make_optimizer(OptimizerConfig(), shapes["emb_dim"])
-    saved = trainer.create_train_state(ModelConfig(**shapes, scan_layers=saved_scan), optimizer, 0)
+    saved = create_train_state(ModelConfig(**shapes, scan_layers=saved_scan), optimizer, 0)
     checkpointer = Checkpointer(str(tmp_path), save_every_steps=1, keep=1)
     checkpointer.save(1, saved)
     checkpointer.wait()
-    other = trainer.abstract_train_state(ModelConfig(**shapes, scan_layers=not saved_scan), optimizer, 0)
+    other = abstract_train_state(ModelConfig(**shapes, scan_layers=not saved_scan), optimizer, 0)
     missing = "stacked" if not saved_scan else "0"
     with pytest.raises(CheckpointMismatchError, match=rf"has no array 'params/decoder_layers/{missing}/"):
         checkpointer.restore(other)

@@ -52,6 +52,8 @@ from jax.sharding import PartitionSpec as P
 from transformer import sharding, trainer
 from transformer.model import ModelConfig
 from transformer.optim import OptimizerConfig, make_optimizer
+from transformer.plan import create_train_state, make_steps, model_graphdef, state_shardings
+from transformer.settings import TrainConfig
 
 assert jax.device_count() == 8
 model = ModelConfig(vocab_size=64, emb_dim=32, num_heads=4, num_encoder_layers=2, num_decoder_layers=3, mlp_dim=64,
@@ -61,8 +63,8 @@ hidden_spec = P(None, "fsdp", "tensor")
 for sizes, hidden_shard in [((2, 2, 2), (3, 16, 32)), ((1, 8, 1), (3, 4, 64))]:
     mesh_config = sharding.MeshConfig(*sizes)
     mesh = sharding.make_mesh(mesh_config)
-    shardings = trainer.state_shardings(model, optimizer, mesh, mesh_config)
-    state = trainer.create_train_state(model, optimizer, seed=0, shardings=shardings)
+    shardings = state_shardings(model, optimizer, mesh, mesh_config)
+    state = create_train_state(model, optimizer, seed=0, shardings=shardings)
     kernel = state.params["decoder_layers"]["stacked"]["feed_forward"]["hidden"]["kernel"]  # [layers, embed, mlp]
     assert kernel.shape == (3, 32, 64) and kernel.sharding.spec == hidden_spec, kernel.sharding
     assert kernel.addressable_shards[0].data.shape == hidden_shard
@@ -76,7 +78,7 @@ for sizes, hidden_shard in [((2, 2, 2), (3, 16, 32)), ((1, 8, 1), (3, 4, 64))]:
     born = dict(state=state, shardings=shardings, mesh=mesh, mesh_config=mesh_config)
 # One train step on the last mesh, fsdp=8.
 batch_sharding = sharding.batch_sharding(born["mesh"], born["mesh_config"])
-train, _ = trainer.make_steps(trainer.model_graphdef(model), optimizer, schedule, trainer.TrainConfig(),
+train, _ = make_steps(model_graphdef(model), optimizer, schedule, TrainConfig(),
                               born["shardings"], batch_sharding)
 rng = np.random.default_rng(0)
 batch = {key: rng.integers(3, 64, (8, 12)).astype(np.int32) for key in ("inputs", "targets")}

@@ -12,7 +12,9 @@ import sys
 import jax
 import pytest
 
-from transformer import data, sharding, trainer
+from transformer import data, sharding
+from transformer.plan import BatchShape, plan_batch, rows_multiple, startup_plan
+from transformer.settings import Settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAPER_CONFIGS = ("base", "big", "base_enfr", "big_enfr")
@@ -21,13 +23,13 @@ PAPER_CONFIGS = ("base", "big", "base_enfr", "big_enfr")
 def settings_of(name, **mesh):
     config = importlib.import_module(f"configs.{name}").get_config()
     config.mesh.update({"data": 1, "fsdp": 1, "tensor": 1, **mesh})
-    return trainer.Settings.from_config(config)
+    return Settings.from_config(config)
 
 
 @pytest.mark.parametrize("name", PAPER_CONFIGS)
 def test_the_paper_configs_keep_about_25k_tokens_wherever_whole_rows_allow(name):
     settings = settings_of(name)
-    asked = trainer.BatchShape(settings.data.rows_per_batch, settings.data.max_length)
+    asked = BatchShape(settings.data.rows_per_batch, settings.data.max_length)
     for devices in (1, 2, 4, 8, 16, 32, 64, 128, 256):
         for hosts in (1, 2, 4, 8, 16, 32):
             if hosts > devices:
@@ -37,8 +39,8 @@ def test_the_paper_configs_keep_about_25k_tokens_wherever_whole_rows_allow(name)
                     continue
                 shape = dict(zip(sharding.MESH_AXES,
                                  sharding.mesh_shape(settings_of(name, **mesh).mesh.sizes, devices)))
-                ways = trainer.batch_ways(settings_of(name, **mesh), shape, processes=hosts)
-                batch, note = trainer.plan_batch(settings.data, ways)
+                ways = rows_multiple(settings_of(name, **mesh), shape, processes=hosts)
+                batch, note = plan_batch(settings.data, ways)
                 assert batch.rows % ways == 0 and batch.row_length == asked.row_length
                 assert (note is None) == (batch == asked)  # a changed budget is always said
                 if ways <= 32:  # 96 rows split whole: the paper's ~25k tokens a side, unchanged
@@ -49,14 +51,14 @@ def test_the_paper_configs_keep_about_25k_tokens_wherever_whole_rows_allow(name)
 
 def test_the_batch_plan_takes_the_nearest_multiple_and_a_resume_keeps_its_recorded_batch():
     asked = data.DataConfig(tokens_per_batch=2048, max_length=64)  # 32 rows of 64
-    assert trainer.plan_batch(asked, 8) == (trainer.BatchShape(32, 64), None)
-    batch, note = trainer.plan_batch(asked, 12)
-    assert batch == trainer.BatchShape(36, 64) and "+12.5%" in note  # 36 is nearer 32 than 24
-    assert trainer.plan_batch(asked, 64)[0].rows == 64  # at least one row per way
-    recorded = trainer.BatchShape(40, 64)
-    assert trainer.plan_batch(asked, 8, recorded) == (recorded, None)
+    assert plan_batch(asked, 8) == (BatchShape(32, 64), None)
+    batch, note = plan_batch(asked, 12)
+    assert batch == BatchShape(36, 64) and "+12.5%" in note  # 36 is nearer 32 than 24
+    assert plan_batch(asked, 64)[0].rows == 64  # at least one row per way
+    recorded = BatchShape(40, 64)
+    assert plan_batch(asked, 8, recorded) == (recorded, None)
     with pytest.raises(ValueError, match=r"40 rows of 64 \(recorded in run.json\), which cannot be split 16 ways"):
-        trainer.plan_batch(asked, 16, recorded)
+        plan_batch(asked, 16, recorded)
 
 
 def start_up(devices):
@@ -106,7 +108,7 @@ def test_the_paper_configs_compile_on_8_devices_with_the_batch_train_py_uses(nam
     record = json.loads(output.read_text().splitlines()[-1])
     assert (record["devices"], record["mesh"]["fsdp"]) == (8, 8)
     settings = settings_of(name)
-    plan, _ = trainer.startup_plan(settings)  # this process's one device: the whole state
+    plan, _ = startup_plan(settings)  # this process's one device: the whole state
     # The batch train.py trains on: the config's own rows, since 8 batch ways split them, ~25k tokens a side.
     assert (record["batch"], record["source_length"]) == (settings.data.rows_per_batch, settings.data.max_length)
     assert 24_000 <= record["tokens_per_step"] <= 26_000 and record["batch_note"] == ""

@@ -12,7 +12,8 @@ import jax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from transformer import trainer  # noqa: E402
+from transformer.plan import make_steps, startup_plan
+from transformer.settings import Settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = {"data": dict(data=-1), "fsdp": dict(data=1, fsdp=-1), "fsdp_tensor": dict(data=1, fsdp=-1, tensor=2)}
@@ -30,8 +31,8 @@ def main():
         for mesh_name, sizes in MESHES.items():
             config = load(name)
             config.mesh.update({"data": 1, "fsdp": 1, "tensor": 1, **sizes})
-            settings = trainer.Settings.from_config(config)
-            plan, note = trainer.startup_plan(settings)
+            settings = Settings.from_config(config)
+            plan, note = startup_plan(settings)
             state = plan.abstract_state(settings.seed)
             record = {"config": name, "mesh": mesh_name, "mesh_shape": dict(plan.mesh.shape),
                       "rows": plan.batch.rows, "row_length": plan.batch.row_length, "tokens": plan.batch.tokens,
@@ -40,7 +41,7 @@ def main():
                       "params_split": any(x.sharding.shard_shape(x.shape) != x.shape
                                           for x in jax.tree.leaves(state.params))}
             if mesh_name == "fsdp_tensor":  # tracing does not depend on the mesh: once per config
-                train, _ = trainer.make_steps(plan.graphdef, plan.optimizer, plan.schedule, settings.train,
+                train, _ = make_steps(plan.graphdef, plan.optimizer, plan.schedule, settings.train,
                                               plan.state_shardings, plan.batch_sharding)
                 new_state, metrics = jax.eval_shape(train, state, plan.abstract_batch())
                 record["step_traced"] = (jax.tree.structure(new_state) == jax.tree.structure(state)

@@ -8,9 +8,11 @@ from flax import nnx
 
 from transformer.model import ModelConfig
 from transformer.optim import OptimizerConfig, make_optimizer
+from transformer.plan import create_train_state, model_graphdef
+from transformer.settings import TrainConfig
 from transformer.steps import (COUNTER_HASH, dropout_rngs, eval_step, label_smoothed_cross_entropy, shift_right,
-                              summarize, token_metrics, train_step)
-from transformer.trainer import TrainConfig, create_train_state, model_graphdef
+                               summarize, token_metrics, train_step)
+
 
 
 def test_label_smoothed_loss_matches_a_hand_computation():

@@ -14,10 +14,11 @@ import pytest
 from flax import nnx
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from transformer import throughput, trainer
+from transformer import throughput
 from transformer.model import ModelConfig, build
 from transformer.optim import OptimizerConfig, make_optimizer
 from transformer.steps import attention_pairs, train_step
+from transformer.plan import abstract_train_state, model_graphdef
 
 SHAPES = {  # the two benchmark shapes: config, batch rows, source length, target length
     "small": (ModelConfig(vocab_size=8000, emb_dim=256, num_heads=4, num_encoder_layers=3, num_decoder_layers=3,
@@ -91,11 +92,11 @@ def test_model_flops_are_the_matmul_flops_the_traced_train_step_runs():
                          mlp_dim=512, dropout_rate=0.1)
     rows, source_length, target_length = 8, 40, 24
     optimizer, schedule = make_optimizer(OptimizerConfig(), config.emb_dim)
-    step = functools.partial(train_step, graphdef=trainer.model_graphdef(config), optimizer=optimizer,
+    step = functools.partial(train_step, graphdef=model_graphdef(config), optimizer=optimizer,
                              schedule=schedule, label_smoothing=0.1)
     batch = {"inputs": jax.ShapeDtypeStruct((rows, source_length), jnp.int32),
              "targets": jax.ShapeDtypeStruct((rows, target_length), jnp.int32)}
-    jaxpr = jax.make_jaxpr(step)(trainer.abstract_train_state(config, optimizer, 0), batch)
+    jaxpr = jax.make_jaxpr(step)(abstract_train_state(config, optimizer, 0), batch)
     assert matmul_flops(jaxpr.jaxpr) == throughput.model_flops_of_shape(config, rows, source_length, target_length)
 
 
@@ -116,20 +117,20 @@ def test_throughput_metrics_are_rates_of_the_whole_window_and_mfu_a_share_of_the
     step = {"source_tokens": rows * source_length, "target_tokens": rows * target_length,
             "encoder_pairs": rows * source_length**2, "decoder_pairs": rows * target_length**2,
             "cross_pairs": rows * source_length * target_length}
-    one = trainer.throughput_metrics(step, config, seconds=2.0, steps=1, peak_flops=1e11)
+    one = throughput.window_metrics(step, config, seconds=2.0, steps=1, peak_flops=1e11)
     # A window of two such steps in twice the time has the same rates: its sums are divided by its seconds.
-    two = trainer.throughput_metrics({key: 2 * value for key, value in step.items()}, config, seconds=4.0, steps=2,
+    two = throughput.window_metrics({key: 2 * value for key, value in step.items()}, config, seconds=4.0, steps=2,
                                      peak_flops=1e11)
     assert two == pytest.approx(one, rel=1e-12)
-    faster = trainer.throughput_metrics(step, config, seconds=1.0, steps=1, peak_flops=1e11)
+    faster = throughput.window_metrics(step, config, seconds=1.0, steps=1, peak_flops=1e11)
     assert faster == pytest.approx({key: 2 * value for key, value in one.items()}, rel=1e-12)
     assert one["all_tokens_per_second"] > one["tokens_per_second"] > 0  # target tokens alone, then both sides
     # MFU is the share of the peak: a doubled peak halves it and moves nothing else; no peak, no MFU.
-    higher_peak = trainer.throughput_metrics(step, config, seconds=2.0, steps=1, peak_flops=2e11)
+    higher_peak = throughput.window_metrics(step, config, seconds=2.0, steps=1, peak_flops=2e11)
     assert higher_peak == pytest.approx({**one, "mfu": one["mfu"] / 2}, rel=1e-12)
-    assert "mfu" not in trainer.throughput_metrics(step, config, seconds=2.0, steps=1, peak_flops=None)
+    assert "mfu" not in throughput.window_metrics(step, config, seconds=2.0, steps=1, peak_flops=None)
     # The same tokens in shorter (packed) sentences attend over fewer pairs: fewer FLOPs in the same seconds.
-    packed = trainer.throughput_metrics({**step, **{key: step[key] / 4 for key in ("encoder_pairs", "decoder_pairs",
+    packed = throughput.window_metrics({**step, **{key: step[key] / 4 for key in ("encoder_pairs", "decoder_pairs",
                                                                                      "cross_pairs")}},
                                         config, seconds=2.0, steps=1, peak_flops=1e11)
     assert packed["tokens_per_second"] == one["tokens_per_second"]

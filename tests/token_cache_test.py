@@ -12,6 +12,7 @@ from tiny import make_tiny_config
 
 from transformer import data, token_cache, trainer
 from transformer.errors import DataError
+from transformer.settings import Settings
 
 
 def start(config: data.DataConfig, workdir) -> token_cache.TokenCache:
@@ -26,7 +27,7 @@ def file_bytes(directory):
 
 
 def test_a_restart_reads_neither_the_train_split_nor_trains_a_vocabulary(tmp_path, drawn):
-    settings = trainer.Settings.from_config(make_tiny_config())
+    settings = Settings.from_config(make_tiny_config())
     first = trainer.load_corpus(settings, str(tmp_path), ["train", "valid"])
     assert drawn["train"] == settings.data.builtin_train_size  # one pass: the vocabulary and the cache share it
     vocabulary = open(tmp_path / "vocab.model", "rb").read()

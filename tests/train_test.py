@@ -12,10 +12,14 @@ import jax
 import numpy as np
 import pytest
 from tiny import TINY_OVERRIDES, load_script, make_tiny_config, metric_records, tree_digest
-from transformer import decode, throughput, trainer
+from transformer import decode, sharding, throughput, trainer
 from transformer.checkpoint import CheckpointMismatchError
 from transformer.sources import DataError
 from transformer.tokenizer import VocabularyError
+from transformer.evaluation import SAMPLE_TRANSLATIONS
+from transformer.restore import restore
+from transformer.settings import Settings
+from transformer.workdir import REPORTS_FILE, use_compilation_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,18 +39,18 @@ def trained_workdir(tmp_path_factory):
     overrides = [f"--config.{key}={value}" for key, value in {**TINY_OVERRIDES, **RUN_OVERRIDES}.items()]
     result = run_script("train.py", f"--workdir={workdir}", *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
-    return workdir, result.stdout
+    return workdir, result.stdout, result.stderr  # the results, and the log
 
 
 def test_train_writes_checkpoints_scores_logs_and_prints_bleu(trained_workdir):
-    workdir, stdout = trained_workdir
+    workdir, stdout, log = trained_workdir
     assert "test BLEU" in stdout and "nrefs:1|case:mixed|eff:no|tok:13a" in stdout
     assert sorted(os.listdir(workdir / "checkpoints")) == ["3", "6"]
     scores = json.loads((workdir / "scores.json").read_text())
     assert scores["step"] == 6 and 0.0 <= scores["bleu"]["test"]["bleu"] <= 100.0
     records = metric_records(workdir)
     assert [r["step"] for r in records if r["split"] == "train"] == [2, 3, 4, 6]  # log and checkpoint steps
-    vocab_size = int(re.search(r"; vocab (\d+);", stdout).group(1))  # the tokenizer's, logged at the start
+    vocab_size = int(re.search(r"; vocab (\d+);", log).group(1))  # the tokenizer's, logged at the start
     assert_throughput_is_the_windows_count_over_its_seconds([r for r in records if r["split"] == "train"], vocab_size)
     assert os.listdir(workdir / "tensorboard")
     # config.json is the whole resolved config of the command line, with the vocabulary size the tokenizer has.
@@ -71,24 +75,24 @@ def tensorboard_events(directory):
 
 
 def test_the_run_writes_sample_translations_hparams_and_a_profile(trained_workdir):
-    workdir, stdout = trained_workdir
+    workdir, _, log = trained_workdir
     values = [(value.tag, value) for event in tensorboard_events(workdir / "tensorboard") for value in event.summary.value]
     samples = [value.tensor.string_val[0].decode() for tag, value in values if tag == "valid_bleu/samples/text_summary"]
     assert len(samples) == 2  # the BLEU evaluations at steps 3 and 6 (the end's are of the final parameters)
     table = samples[0].splitlines()
-    assert table[0] == "| source | reference | translation |" and len(table) == 2 + trainer.SAMPLE_TRANSLATIONS
+    assert table[0] == "| source | reference | translation |" and len(table) == 2 + SAMPLE_TRANSLATIONS
     assert any(tag == "_hparams_/session_start_info" for tag, _ in values)
     final = {tag: value.simple_value for tag, value in values if tag.startswith("final/")}
     scores = json.loads((workdir / "scores.json").read_text())
     assert final == pytest.approx({f"final/{split}_bleu": score["bleu"] for split, score in scores["bleu"].items()})
     traces = [name for _, _, names in os.walk(workdir / "profile") for name in names if name.endswith(".xplane.pb")]
-    assert len(traces) == 1 and "profiled steps 4-5" in stdout
+    assert len(traces) == 1 and "profiled steps 4-5" in log
 
 
 def assert_throughput_is_the_windows_count_over_its_seconds(records, vocab_size):
     """Each train record covers the steps since the one before: its tokens/s and model FLOP/s are that window's
     real tokens and analytic FLOPs over its training seconds, and its MFU is the FLOP/s over one peak."""
-    model = trainer.Settings.from_config(make_tiny_config()).model_config(vocab_size)
+    model = Settings.from_config(make_tiny_config()).model_config(vocab_size)
     previous_step, previous_seconds, peaks = 0, 0.0, []
     for record in records:
         seconds = record["train_seconds"] - previous_seconds
@@ -107,7 +111,7 @@ def assert_throughput_is_the_windows_count_over_its_seconds(records, vocab_size)
 
 
 def test_eval_restores_the_checkpoint_and_scores_a_split_and_a_file(trained_workdir, tmp_path):
-    workdir, _ = trained_workdir
+    workdir, *_ = trained_workdir
     (tmp_path / "in.txt").write_text("The black cat sleeps in the garden.\n\nTwo wolves are sad.\n")
     (tmp_path / "ref.txt").write_text("El gato negro duerme en el jardín.\nX\nDos lobos están tristes.\n")
     result = run_script("eval.py", f"--workdir={workdir}", "--step=3", "--split=test")
@@ -128,18 +132,18 @@ def test_eval_restores_the_checkpoint_and_scores_a_split_and_a_file(trained_work
 
 
 def final_params(workdir):
-    return jax.device_get(trainer.restore(str(workdir)).params)
+    return jax.device_get(restore(str(workdir)).params)
 
 
 def recorder(monkeypatch):
     """Records a digest of every batch the trainer places on the devices (prefetch reads up to 2 ahead)."""
     seen = []
-    place = trainer.place_batch
+    place = sharding.place_local_batch
 
     def record(batch, batch_sharding):
         seen.append(tree_digest_of(batch))
         return place(batch, batch_sharding)
-    monkeypatch.setattr(trainer, "place_batch", record)
+    monkeypatch.setattr(sharding, "place_local_batch", record)
     return seen
 
 
@@ -169,7 +173,7 @@ def test_a_stopped_and_resumed_run_sees_the_same_batches_and_ends_with_the_same_
 
 
 def test_resuming_with_another_config_is_refused_and_the_workdir_left_untouched(trained_workdir):
-    workdir, _ = trained_workdir
+    workdir, *_ = trained_workdir
     before = tree_digest(workdir)
     with pytest.raises(ValueError, match=r"model.mlp_dim: 64 -> 48.*seed: 0 -> 1"):
         trainer.Run(make_tiny_config(**{"model.mlp_dim": 48, "seed": 1}), str(workdir))
@@ -178,7 +182,7 @@ def test_resuming_with_another_config_is_refused_and_the_workdir_left_untouched(
 
 def test_a_checkpoint_of_another_model_shape_is_refused_and_left_untouched(trained_workdir, tmp_path):
     """A workdir whose config.json was lost or replaced still cannot load a mismatched checkpoint."""
-    workdir, _ = trained_workdir
+    workdir, *_ = trained_workdir
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-r", str(workdir), str(copy)], check=True)
     config = make_tiny_config(**{"model.mlp_dim": 48})
@@ -224,7 +228,7 @@ def test_misaligned_and_empty_text_files_are_named(tmp_path):
 
 
 def test_eval_averages_checkpoints_with_beam_search_and_writes_all_scores(trained_workdir, tmp_path):
-    workdir, _ = trained_workdir
+    workdir, *_ = trained_workdir
     # No --average_last: eval.py averages as many as the run's decode.average_last says (5 in configs/base.py, the
     # paper's method), here set to 2 in a copy of the workdir.
     run = tmp_path / "run"
@@ -240,33 +244,33 @@ def test_eval_averages_checkpoints_with_beam_search_and_writes_all_scores(traine
     assert scores["chrf_signature"].startswith("nrefs:1") and "lang es" in scores["paper_bleu_method"]
     assert scores["tokens_per_second"] > 0 and scores["sentences_per_second"] > 0
     assert len((run / "eval" / "valid.avg2_step6.beam2-gnmt0.6-extra4.txt").read_text().splitlines()) == 64
-    expected = [(a + b) / 2 for a, b in zip(jax.tree.leaves(trainer.restore(str(workdir), 3).params),
-                                            jax.tree.leaves(trainer.restore(str(workdir), 6).params))]
-    averaged = trainer.restore(str(workdir), average_last=2)
+    expected = [(a + b) / 2 for a, b in zip(jax.tree.leaves(restore(str(workdir), 3).params),
+                                            jax.tree.leaves(restore(str(workdir), 6).params))]
+    averaged = restore(str(workdir), average_last=2)
     for a, b in zip(jax.tree.leaves(averaged.params), expected):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_averaging_more_checkpoints_than_kept_or_an_empty_workdir_fails_clearly(trained_workdir, tmp_path):
-    workdir, _ = trained_workdir
+    workdir, *_ = trained_workdir
     with pytest.raises(ValueError, match=r"average the last 3 checkpoints up to step 6, but .* holds only 2 "
                                          r"\(steps \[3, 6\]\)"):
-        trainer.restore(str(workdir), average_last=3)
+        restore(str(workdir), average_last=3)
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "config.json").write_text((workdir / "config.json").read_text())
     (empty / "checkpoints").mkdir()
     with pytest.raises(FileNotFoundError, match="no checkpoint in"):
-        trainer.restore(str(empty))
+        restore(str(empty))
     with pytest.raises(FileNotFoundError, match="best_checkpoint does not exist"):
-        trainer.restore(str(empty), best=True)
+        restore(str(empty), best=True)
 
 
 def test_the_averaging_script_writes_a_workdir_that_restores_to_the_average(trained_workdir, tmp_path):
-    workdir, _ = trained_workdir
+    workdir, *_ = trained_workdir
     script = load_script("average_checkpoints")
     assert script.write_averaged_workdir(str(workdir), str(tmp_path / "avg"), 2) == [3, 6]
-    restored, expected = trainer.restore(str(tmp_path / "avg")), trainer.restore(str(workdir), average_last=2)
+    restored, expected = restore(str(tmp_path / "avg")), restore(str(workdir), average_last=2)
     assert restored.step == 6
     for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(expected.params)):
         np.testing.assert_array_equal(a, b)
@@ -275,7 +279,7 @@ def test_the_averaging_script_writes_a_workdir_that_restores_to_the_average(trai
 
 
 def test_translate_cli_round_trip(trained_workdir, tmp_path):
-    workdir, _ = trained_workdir
+    workdir, *_ = trained_workdir
     lines = ["The black cat sleeps in the garden.", "", "Two wolves are sad.", "The cat sleeps."]
     command = [sys.executable, "-m", "transformer.translate", f"--workdir={workdir}", "--batch_size=3",
                "--beam_size=2"]
@@ -284,18 +288,20 @@ def test_translate_cli_round_trip(trained_workdir, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout.split("\n")
     assert len(output) == 5 and output[1] == "" and output[4] == ""  # aligned; the empty line stays empty
-    restored = trainer.restore(str(workdir), decode_overrides={"beam_size": 2})
-    expected = decode.translate(restored.search_fn(), restored.params, restored.tokenizer, lines, 3)
+    restored = restore(str(workdir), decode_overrides={"beam_size": 2})
+    search = restored.settings.decode.search_fn(restored.graphdef, restored.settings.seed)
+    expected = decode.search_sentences(search, restored.params, restored.tokenizer, lines, 3).translations(
+        restored.tokenizer)
     assert output[:4] == expected
 
 
 def test_the_best_checkpoint_is_chosen_by_dev_bleu(trained_workdir):
-    workdir, _ = trained_workdir
+    workdir, *_ = trained_workdir
     records = metric_records(workdir)
     valid = {r["step"]: r["bleu"] for r in records if r["split"] == "valid_bleu"}
     assert sorted(valid) == [3, 6]  # test BLEU is logged too, but never chooses
     assert len(os.listdir(workdir / "best_checkpoint")) == 1
-    restored = trainer.restore(str(workdir), best=True)
+    restored = restore(str(workdir), best=True)
     assert restored.best and restored.name == f"best_step{restored.step}" and valid[restored.step] == max(valid.values())
     # eval.py --best picks one checkpoint: with a step or an average as well, it is a usage error.
     for extra in ("--step=3", "--average_last=2"):
@@ -305,9 +311,9 @@ def test_the_best_checkpoint_is_chosen_by_dev_bleu(trained_workdir):
 
 @pytest.mark.slow  # matplotlib and a decode of its own: ~10 s
 def test_the_plot_script_writes_pngs_of_attention_rows_that_sum_to_one(trained_workdir, tmp_path):
-    workdir, _ = trained_workdir
+    workdir, *_ = trained_workdir
     script = load_script("plot_attention")
-    maps = script.plot_attention(trainer.restore(str(workdir)), "The black cat sleeps.", str(tmp_path))
+    maps = script.plot_attention(restore(str(workdir)), "The black cat sleeps.", str(tmp_path))
     for name in ("cross_attention.png", "decoder_self_attention.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = np.load(tmp_path / "attention.npz")
@@ -337,8 +343,8 @@ def test_a_time_budget_stops_the_run_then_the_last_checkpoints_are_averaged_and_
     (resumed,) = [r for r in records if r["split"] == "train" and r["step"] == 2]
     window = resumed["target_tokens"] / resumed["tokens_per_second"]
     np.testing.assert_allclose(second["train_seconds"], first["train_seconds"] + window, rtol=1e-6)
-    params = {step: trainer.restore(str(workdir), step).params for step in (1, 2)}
-    averaged = trainer.restore(str(workdir), 2, average_last=2).params
+    params = {step: restore(str(workdir), step).params for step in (1, 2)}
+    averaged = restore(str(workdir), 2, average_last=2).params
     leaf = lambda tree: np.asarray(jax.tree.leaves(tree)[0])  # noqa: E731
     np.testing.assert_allclose(leaf(averaged), (leaf(params[1]) + leaf(params[2])) / 2, atol=1e-7)
     assert (workdir / "translations_valid_avg_step2.txt").exists()
@@ -366,7 +372,7 @@ def test_a_report_mark_scores_the_averaged_checkpoints_then_training_goes_on(tmp
     assert [r["step"] for r in records if r["split"] == "avg_valid_bleu"] == [4]
     reports = json.loads(json.dumps(result["reports"]))
     assert json.loads((workdir / "scores.json").read_text())["reports"] == reports
-    assert json.loads((workdir / trainer.REPORTS_FILE).read_text()) == reports
+    assert json.loads((workdir / REPORTS_FILE).read_text()) == reports
     # A resumed run keeps the mark's scores (in reports.json) and does not score the mark again.
     config.train.num_train_steps = 6
     resumed = trainer.Run(config, str(workdir)).train()
@@ -376,7 +382,7 @@ def test_a_report_mark_scores_the_averaged_checkpoints_then_training_goes_on(tmp
 
 
 def test_run_json_records_the_batch_and_each_starts_provenance(trained_workdir):
-    workdir, _ = trained_workdir
+    workdir, *_ = trained_workdir
     record = json.loads((workdir / "run.json").read_text())
     assert record["batch"] == {"rows": 8, "row_length": 48}  # 384 tokens of 48
     start = record["starts"][0]
@@ -391,11 +397,11 @@ def test_the_compilation_cache_defaults_to_the_workdir_unless_the_environment_ch
     before = jax.config.jax_compilation_cache_dir
     try:
         jax.config.update("jax_compilation_cache_dir", None)
-        trainer.use_compilation_cache("none", str(tmp_path))
+        use_compilation_cache("none", str(tmp_path))
         assert jax.config.jax_compilation_cache_dir is None
-        trainer.use_compilation_cache("", str(tmp_path))
+        use_compilation_cache("", str(tmp_path))
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "compilation_cache")
-        trainer.use_compilation_cache(str(tmp_path / "elsewhere"), str(tmp_path))  # already chosen: kept
+        use_compilation_cache(str(tmp_path / "elsewhere"), str(tmp_path))  # already chosen: kept
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "compilation_cache")
     finally:
         jax.config.update("jax_compilation_cache_dir", before)

@@ -175,6 +175,7 @@ def test_the_heartbeat_advances_and_release_removes_only_our_own_lock(tmp_path, 
 WRITER = """
 import sys
 from transformer.files import write_json
+from transformer.restore import restore
 for i in range(10**9):
     write_json(sys.argv[1], {"i": i, "pad": "x" * 1_000_000})
 """
@@ -225,7 +226,7 @@ def test_check_vocabulary_refuses_another_model_of_the_same_size(two_vocabularie
     recorded = workdir.vocabulary_record(first.path, first.vocab_size)
     assert recorded == {"file": "0.model", "sha256": workdir.fingerprint(first.path), "pieces": 100}
     workdir.check_vocabulary(recorded, first.path)
-    workdir.check_vocabulary(None, second.path)  # a workdir from before vocabularies were recorded
+    workdir.check_vocabulary(None, second.path)  # a first start: nothing recorded yet
     with pytest.raises(VocabularyMismatchError) as refused:
         workdir.check_vocabulary(recorded, second.path)
     assert isinstance(refused.value, DataError)
@@ -257,6 +258,7 @@ def test_a_run_on_a_workdir_another_job_holds_is_refused_before_anything_is_writ
 def test_resume_and_eval_refuse_a_vocabulary_that_is_not_the_runs(tmp_path):
     from tiny import make_tiny_config
     from transformer import trainer
+    from transformer.restore import restore
 
     config = make_tiny_config(**{"train.num_train_steps": 3, "decode.bleu_splits": ""})
     run_dir = tmp_path / "run"
@@ -269,7 +271,7 @@ def test_resume_and_eval_refuse_a_vocabulary_that_is_not_the_runs(tmp_path):
     with pytest.raises(VocabularyMismatchError, match="vocab.model"):
         trainer.Run(make_tiny_config(), str(run_dir))
     with pytest.raises(VocabularyMismatchError, match="vocab.model"):
-        trainer.restore(str(run_dir))
+        restore(str(run_dir))
 
 
 def test_a_given_vocabulary_is_copied_in_and_config_json_has_the_size_the_model_has(tmp_path):

@@ -1,8 +1,7 @@
 """Orbax checkpoints of the TrainState in `workdir/checkpoints`: periodic async saves, keep-N, resume.
 
-Each checkpoint holds two items: `default`, the TrainState (the name single-item checkpoints of earlier
-versions used, so those stay readable), and `data`, the input pipeline's iterator state, one JSON file
-per process written by grain's Orbax handler, so a resumed run continues the data exactly.
+Each checkpoint holds two items: `default`, the TrainState, and `data`, the input pipeline's iterator state, one
+JSON file per process written by grain's Orbax handler, so a resumed run continues the data exactly.
 
 Evaluation and averaging read parameters only (`restore_params`, a partial restore), from full states or from
 params snapshots (`workdir/params`: checkpoints whose state is `{"params": ...}`), which a run keeps for the
@@ -25,7 +24,6 @@ import contextlib
 import errno
 import fnmatch
 import json
-import logging
 import os
 import re
 import time
@@ -38,12 +36,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from transformer.console import log
 from transformer import errors
 from transformer import files
 from transformer.errors import CheckpointMismatchError
+from transformer.workdir import BEST_CHECKPOINT_DIR, CHECKPOINTS_DIR, PARAMS_DIR
 
 PyTree = Any
-log = logging.getLogger("transformer")  # the trainer's console logger (transformer.metrics sets its handler)
 DAMAGED_MARK = ".damaged-"  # <step>.damaged-<time>: not a step name to Orbax (digits only), so never listed
 
 
@@ -121,6 +120,27 @@ def check_compatible(saved: PyTree, expected: PyTree, directory: str) -> None:
 STATE_ITEM, DATA_ITEM = "default", "data"
 
 
+def _data_state_files(directory: str) -> list[str]:
+    """The data iterator state files of a checkpoint's data item to read: this process's, else every process's (a
+    checkpoint written by another number of processes: the states must agree)."""
+    own = os.path.join(directory, f"process_{jax.process_index()}-of-{jax.process_count()}.json")
+    if files.exists(own):
+        return [own]
+    names = [os.path.join(directory, name) for name in files.list_dir(directory)
+             if fnmatch.fnmatch(name, "process_*-of-*.json")]
+    if not names:
+        raise FileNotFoundError(f"{directory} holds no data iterator state (process_<i>-of-<n>.json)")
+    return names
+
+
+def _unused_path(directory: str, name: str) -> str:
+    """directory/name, or with -1, -2 ... appended where that exists."""
+    path, attempt = os.path.join(directory, name), 1
+    while files.exists(path):
+        path, attempt = os.path.join(directory, f"{name}-{attempt}"), attempt + 1
+    return path
+
+
 class IteratorState:
     """A data iterator's state (JSON bytes), captured when the step is saved, in the form grain's handler
     writes and reads. Handing grain the live iterator instead would let an asynchronous save record the
@@ -194,7 +214,7 @@ class Checkpointer:
             return self.manager.restore(step, args=args)[STATE_ITEM]
 
     def restore_data_state(self, step: int) -> bytes | None:
-        """This process's data iterator state saved at `step`; None for a checkpoint written without one.
+        """This process's data iterator state saved at `step`; None for a checkpoint saved without one.
 
         Every process's state is the same (each computes the whole packing plan and takes its own block of rows),
         so a checkpoint written by another number of processes restores onto this one: its files
@@ -203,23 +223,16 @@ class Checkpointer:
         directory = os.path.join(self.directory, str(step), DATA_ITEM)
         with self._reading(step):
             if not files.is_dir(directory):
-                # The step's metadata lists the items it saved: a checkpoint of an older version saved no data item.
+                # The step's metadata lists the items it saved: one saved before any batch (0 steps) has no data item.
                 if DATA_ITEM in (self.manager.metadata(step).item_handlers or {}):
                     raise FileNotFoundError(f"its data iterator state ({directory}) is missing")
                 return None
-            own = os.path.join(directory, f"process_{jax.process_index()}-of-{jax.process_count()}.json")
-            names = [own] if files.exists(own) else [os.path.join(directory, name) for name in files.list_dir(
-                directory) if fnmatch.fnmatch(name, "process_*-of-*.json")]
-            if not names:
-                raise FileNotFoundError(f"{directory} holds no data iterator state (process_<i>-of-<n>.json)")
-            states = {}
-            for name in names:
-                states[name] = files.read_bytes(name)
-            parsed = {json.dumps(json.loads(s), sort_keys=True) for s in states.values()}  # a torn file fails here
+            states = [files.read_bytes(name) for name in _data_state_files(directory)]
+            parsed = {json.dumps(json.loads(s), sort_keys=True) for s in states}  # a torn file fails here
         if len(parsed) > 1:
             raise CheckpointMismatchError(f"the data iterator states in {directory} differ between processes, so "
                                           f"they cannot be restored onto {jax.process_count()} process(es)")
-        return next(iter(states.values()))
+        return states[0]
 
     def restore_latest(self, abstract_state: PyTree) -> tuple[int, PyTree, bytes | None] | None:
         """(step, state, data iterator state) of the newest checkpoint that can be read, both from that step; None
@@ -251,7 +264,7 @@ class Checkpointer:
             return
         if jax.process_index() == 0:
             for step in steps:
-                target = self._unused_path(f"{step}{DAMAGED_MARK}{time.strftime('%Y%m%dT%H%M%S')}")
+                target = _unused_path(self.directory, f"{step}{DAMAGED_MARK}{time.strftime('%Y%m%dT%H%M%S')}")
                 epath.Path(self.directory, str(step)).rename(target)
                 log.warning("moved the unreadable checkpoint of step %d aside to %s (kept, not deleted), so this run "
                             "can save step %d again", step, target, step)
@@ -260,12 +273,6 @@ class Checkpointer:
             multihost_utils.sync_global_devices(f"checkpoints set aside in {self.directory}")
         self.manager.reload()
         self.last_saved = self.manager.latest_step()
-
-    def _unused_path(self, name: str) -> str:
-        path, attempt = os.path.join(self.directory, name), 1
-        while files.exists(path):
-            path, attempt = os.path.join(self.directory, f"{name}-{attempt}"), attempt + 1
-        return path
 
     def best_step(self) -> int | None:
         return self.manager.best_step()
@@ -410,3 +417,77 @@ _scale = jax.jit(lambda total, factor: jax.tree.map(lambda x: (x * factor).astyp
 def abstract_like(tree: PyTree) -> PyTree:
     """ShapeDtypeStructs of a concrete or abstract tree (what StandardRestore restores into)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+class RunCheckpoints:
+    """A training run's checkpoints in its workdir: the train states (checkpoints/: every `every` steps and where
+    the run forces a save, the last `keep` kept); with average_last > 1 a params snapshot of each of the last
+    average_last saves (params/), which the end's averaging reads, so that averaging N needs N parameter sets on
+    disk rather than N train states; and with keep_best the params of the best dev BLEU (best_checkpoint/,
+    `open_best`). `before_save` runs before each save (the workdir lock's check)."""
+
+    def __init__(self, workdir: str, *, every: int, keep: int, use_async: bool, average_last: int,
+                 before_save=lambda: None):
+        self.workdir, self.use_async, self.average_last = workdir, use_async, average_last
+        self.before_save = before_save
+        self.states = Checkpointer(os.path.join(workdir, CHECKPOINTS_DIR), save_every_steps=every, keep=keep,
+                                   use_async=use_async)
+        self.snapshots = Checkpointer(os.path.join(workdir, PARAMS_DIR), save_every_steps=1, keep=average_last,
+                                      use_async=use_async) if average_last > 1 else None
+        self.best: Checkpointer | None = None
+        self.closed = False
+
+    def open_best(self) -> None:
+        self.best = Checkpointer(os.path.join(self.workdir, BEST_CHECKPOINT_DIR), save_every_steps=1, keep=1,
+                                 use_async=self.use_async, best_metric="valid_bleu")
+
+    def last_checkpoint(self) -> str:
+        """The last train state saved, for messages."""
+        step = self.states.last_saved
+        return "none" if step is None else f"step {step} in {self.states.directory}"
+
+    def save(self, step: int, state: PyTree, data_state: bytes | None, force: bool = False) -> bool:
+        """The train state (and data state) at checkpoint steps, or now with `force`, and a params snapshot with
+        it where averaging needs one; returns whether it saved."""
+        if force or step % self.states.save_every_steps == 0:
+            self.before_save()  # a run whose workdir another job took over must not write into it
+        if not self.states.save(step, state, data_state=data_state, force=force):
+            return False
+        if self.snapshots:
+            self.snapshots.save(step, {"params": state.params}, force=True)
+        return True
+
+    def save_best(self, step: int, params: PyTree, bleu: float) -> None:
+        """The params of `step`, kept if its dev BLEU is the best so far."""
+        if self.best is not None and step != self.best.last_saved:
+            self.best.save(step, {"params": params}, force=True, metrics={"valid_bleu": bleu})
+
+    def final_params(self, params: PyTree, shardings: PyTree) -> tuple[PyTree, list[int]]:
+        """The parameters the end of a run scores: with average_last > 1, the mean of the last params snapshots (the
+        paper's averaging) summed on the devices in `shardings` (the training ones), and their steps; else
+        `params`, the final ones, and []."""
+        if self.snapshots is None:
+            return params, []
+        self.snapshots.wait()
+        steps = self.snapshots.all_steps()[-self.average_last:]
+        if len(steps) < 2:
+            return params, []
+        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), params, shardings)
+        log.info("averaging the parameters of the checkpoints of steps %s", steps)
+        averaged, steps = average_readable_params([(self.snapshots, s) for s in steps], abstract, len(steps))
+        return (averaged, steps) if len(steps) > 1 else (params, [])  # unreadable ones were named
+
+    def close(self) -> None:
+        """Wait until every save is committed, then close the managers (once; all_steps() still answers)."""
+        if self.closed:
+            return
+        self.closed = True
+        failed = []
+        for checkpointer in (self.states, self.snapshots, self.best):
+            if checkpointer is not None:
+                try:
+                    checkpointer.close()  # waits for the last save first: a failed one raises CheckpointSaveError
+                except CheckpointSaveError as error:
+                    failed.append(error)
+        if failed:
+            raise failed[0]

@@ -25,7 +25,7 @@ log-probability / lp(limit_i): for alpha >= 0 both penalties are positive and gr
 log-probability, <= 0, only falls, so no extension can score above it). beam_size 1 is greedy search.
 
 Sampling (temperature > 0, then top_k, then top_p) is reproducible and fresh at once: sentence i of the c-th
-call of `search_ids`/`translate` on one `Search` (c counts from 0; `call=` pins it) draws position t with
+call of `search_sentences` on one `Search` (c counts from 0; `call=` pins it) draws position t with
 the key fold_in(fold_in(fold_in(key(seed), c), i), t), i being the sentence's index in that call's list. The
 samples then depend on neither the batch size, nor the number of devices or processes, nor the other sentences.
 
@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -53,7 +53,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from transformer import config_files, data, sharding
-from transformer.metrics import log
+from transformer.console import log
 from transformer.tokenizer import EOS_ID, PAD_ID, Tokenizer
 
 PyTree = Any
@@ -404,7 +404,7 @@ class Search:
     [batch, hypotheses]), best first, each sequence ending with EOS (all zeros in an empty slot); streams [batch,
     2] (call, sentence index) seed sampling (module docstring). `search(params, inputs)` -> the best sequences.
     scored: the scores are real (beam search, or make_search(scores=True)); else zeros. calls: the index of
-    the next search_ids/translate call, which advances it.
+    the next search_sentences call, which advances it.
     """
 
     run: Callable[[PyTree, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
@@ -467,7 +467,7 @@ def batch_sharding_for(params: PyTree = None) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(axes))
 
 
-def batch_ways(batch_sharding: NamedSharding) -> int:
+def row_ways(batch_sharding: NamedSharding) -> int:
     """How many ways batch_sharding splits a batch's rows (the product of its first dimension's mesh axes)."""
     spec = tuple(batch_sharding.spec)
     axes = spec[0] if spec else None
@@ -475,11 +475,11 @@ def batch_ways(batch_sharding: NamedSharding) -> int:
     return math.prod(batch_sharding.mesh.shape[name] for name in names)
 
 
-def rows_per_batch(batch_size: int, batch_sharding: NamedSharding) -> int:
+def device_rows(batch_size: int, batch_sharding: NamedSharding) -> int:
     """batch_size rounded up to a multiple of the ways batch_sharding splits rows: every device gets whole rows."""
     if batch_size <= 0:
         raise ValueError(f"decode batch size {batch_size} must be positive")
-    ways = batch_ways(batch_sharding)
+    ways = row_ways(batch_sharding)
     return -(-batch_size // ways) * ways
 
 
@@ -583,11 +583,15 @@ def _hypotheses(sequences: np.ndarray, scores: np.ndarray, log_probs: np.ndarray
 
 @dataclasses.dataclass(frozen=True)
 class Decoded:
-    """What search_sentences found: each sentence's finished hypotheses, best first (none for an empty sentence),
-    in input order, and the line numbers (from 1) of the inputs cut to the bound (their translations count)."""
+    """What search_sentences found: each sentence's finished hypotheses, best first (beam search's up to beam_size,
+    else one; none for an empty sentence), in input order, and the line numbers (from 1) of the inputs cut to the
+    bound (their translations count). `scored`, `kept`: whether the search scored its hypotheses, and how many it
+    keeps per sentence (what an n-best list may ask for)."""
 
     hypotheses: list[list[Hypothesis]]
     cut_lines: list[int]
+    scored: bool = False
+    kept: int = 1
 
     @property
     def cut(self) -> int:
@@ -598,7 +602,18 @@ class Decoded:
         return [found[0].ids if found else np.zeros((0,), np.int32) for found in self.hypotheses]
 
     def translations(self, tokenizer: Tokenizer) -> list[str]:
+        """Each sentence's best hypothesis as text; empty for an empty sentence."""
         return [tokenizer.decode(ids) for ids in self.best_ids()]
+
+    def nbest(self, n: int) -> list[list[Hypothesis]]:
+        """The `n` best finished hypotheses of each sentence (fewer where the search finished fewer), best first;
+        n-best lists need a scored search that keeps at least n."""
+        if not self.scored:
+            raise ValueError("n-best lists need a scored Search (beam search, or make_search(..., scores=True))")
+        if not 1 <= n <= self.kept:
+            raise ValueError(f"nbest={n} must be between 1 and the {self.kept} hypotheses the search keeps "
+                             "(decode.beam_size)")
+        return [found[:n] for found in self.hypotheses]
 
 
 def search_sentences(search: Search | Callable, params: PyTree, tokenizer: Tokenizer, sentences: list[str],
@@ -612,14 +627,15 @@ def search_sentences(search: Search | Callable, params: PyTree, tokenizer: Token
     the devices, are split over batch_sharding (default: batch_sharding_for(params)); with several processes
     each places its own rows, and every process gets every hypothesis. call: sampling's call index (default: the
     next)."""
+    scored, kept = (search.scored, search.hypotheses) if isinstance(search, Search) else (False, 1)
     if not sentences:
-        return Decoded([], [])
+        return Decoded([], [], scored, kept)
     inputs, cut = encode_inputs(tokenizer, sentences, max_input_length, name)
     batch_sharding = batch_sharding_for(params) if batch_sharding is None else batch_sharding
     run, call = _runner(search, call)
     pending = []
-    for indices, batch in budget_batches(inputs, rows_per_batch(batch_size, batch_sharding),
-                                         batch_ways(batch_sharding), max_tokens_per_batch):
+    for indices, batch in budget_batches(inputs, device_rows(batch_size, batch_sharding), row_ways(batch_sharding),
+                                         max_tokens_per_batch):
         streams = np.stack([np.full(len(indices), call), indices], axis=1).astype(np.int32)
         placed = sharding.place_batch({"inputs": batch, "streams": streams}, batch_sharding)
         pending.append((indices, run(params, placed["inputs"], placed["streams"])))  # dispatched, not awaited
@@ -632,51 +648,7 @@ def search_sentences(search: Search | Callable, params: PyTree, tokenizer: Token
         for index, *row in zip(indices, sequences, scores, log_probs):
             if index >= 0 and sentences[index].strip():
                 results[index] = _hypotheses(*row)
-    return Decoded(results, cut)
-
-
-def search_hypotheses(search: Search | Callable, params: PyTree, tokenizer: Tokenizer, sentences: list[str],
-                      batch_size: int, max_input_length: int | None = None, **options) -> list[list[Hypothesis]]:
-    """Each sentence's finished hypotheses, best first (beam search's up to beam_size, else one), in input order;
-    none for an empty sentence. options: search_sentences' keywords (name, max_tokens_per_batch, batch_sharding,
-    call)."""
-    return search_sentences(search, params, tokenizer, sentences, batch_size, max_input_length, **options).hypotheses
-
-
-def search_ids(search: Search | Callable, params: PyTree, tokenizer: Tokenizer, sentences: list[str],
-               batch_size: int, max_input_length: int | None = None, **options) -> list[np.ndarray]:
-    """The output ids of each sentence's best hypothesis (up to and including EOS), in input order; empty for
-    an empty sentence. See search_sentences."""
-    return search_sentences(search, params, tokenizer, sentences, batch_size, max_input_length, **options).best_ids()
-
-
-def translate(search: Search | Callable, params: PyTree, tokenizer: Tokenizer, sentences: list[str],
-              batch_size: int, max_input_length: int | None = None, **options) -> list[str]:
-    """Translate sentences in length-sorted batches with a `Search` (or any jitted `search(params, inputs)`);
-    keeps input order; the same list on every process. An empty sentence gets an empty translation. Inputs
-    longer than `max_input_length` are cut to it, keeping their EOS, with a warning. options: see
-    search_sentences.
-    """
-    return search_sentences(search, params, tokenizer, sentences, batch_size, max_input_length,
-                            **options).translations(tokenizer)
-
-
-def search_nbest(search: Search, params: PyTree, tokenizer: Tokenizer, sentences: list[str], batch_size: int,
-                 max_input_length: int | None = None, *, nbest: int, **options) -> list[list[Hypothesis]]:
-    """The `nbest` best finished hypotheses of each sentence (fewer where the search finished fewer; none for an
-    empty sentence), best first, from a scored Search. options: see search_sentences."""
-    _check_nbest_search(search, nbest)
-    found = search_hypotheses(search, params, tokenizer, sentences, batch_size, max_input_length, **options)
-    return [hypotheses[:nbest] for hypotheses in found]
-
-
-def _check_nbest_search(search: Search, nbest: int) -> None:
-    """n-best lists need a scored Search that keeps at least nbest hypotheses."""
-    if not isinstance(search, Search) or not search.scored:
-        raise ValueError("n-best lists need a scored Search (beam search, or make_search(..., scores=True))")
-    if not 1 <= nbest <= search.hypotheses:
-        raise ValueError(f"nbest={nbest} must be between 1 and the {search.hypotheses} hypotheses the search keeps "
-                         "(decode.beam_size)")
+    return Decoded(results, cut, scored, kept)
 
 
 def nbest_lines(nbest: list[list[Hypothesis]], tokenizer: Tokenizer, first_index: int = 0) -> list[str]:
@@ -689,56 +661,3 @@ def nbest_lines(nbest: list[list[Hypothesis]], tokenizer: Tokenizer, first_index
             lines.append(f"{index} ||| {tokenizer.decode(hypothesis.ids)} ||| LogProb= {hypothesis.log_prob:.6f} "
                          f"||| {hypothesis.score:.6f}")
     return lines
-
-
-# ----------------------------------------------------------------------------------------------------
-# The command-line tools (eval.py, transformer.translate)
-
-# Flags of both tools that override the workdir config's decode section when given.
-COMMAND_LINE_OVERRIDES = ("batch_size", "max_tokens_per_batch", "beam_size", "alpha", "length_penalty",
-                          "max_extra_length")
-
-
-def define_command_line_flags(unit: str) -> None:
-    """The flags both tools define alike (`unit`: what they decode, "sentences" or "lines"): the workdir and the
-    checkpoint to restore, and the overrides of COMMAND_LINE_OVERRIDES but --batch_size, whose meaning differs.
-    Each tool adopts them (flags.adopt_module_key_flags(decode)), so its --help lists them."""
-    from absl import flags
-    flags.DEFINE_string("workdir", None, "A directory written by train.py.", required=True)
-    flags.DEFINE_integer("step", None, "Checkpoint step to restore (default: the latest).")
-    flags.DEFINE_integer("average_last", None, "Average the parameters of the last N checkpoints up to --step "
-                         "(default: the config's decode.average_last, none with --best; 0 or 1: no averaging).")
-    flags.DEFINE_bool("best", False, "Use the checkpoint of the best dev BLEU (workdir/best_checkpoint).")
-    flags.DEFINE_integer("beam_size", None, "Beam size (default: the config's decode.beam_size; 1 = greedy).")
-    flags.DEFINE_float("alpha", None, "Length penalty alpha of beam search (default: the config's decode.alpha).")
-    flags.DEFINE_enum("length_penalty", None, list(PENALTIES), "gnmt: ((5 + length) / 6)^alpha; fairseq: "
-                      "length^alpha (default: the config's decode.length_penalty).")
-    flags.DEFINE_integer("max_extra_length", None, "Outputs may have up to input length + this many tokens "
-                         "(default: the config's decode.max_extra_length).")
-    flags.DEFINE_integer("max_tokens_per_batch", None, f"At most this many {unit} x padded source length per "
-                         "decoding batch; 0: no budget (default: the config's decode.max_tokens_per_batch).")
-
-
-def command_line_settings(saved: Mapping[str, Any], *, step: int | None, average_last: int | None, best: bool,
-                          nbest: int = 0, **overrides: Any) -> tuple[int, dict[str, Any]]:
-    """One rule for eval.py and transformer.translate: a flag left unset (None) takes the workdir config's decode
-    value (`saved`), average_last included, except that --best restores one checkpoint and averages none.
-    -> (checkpoints to average, decode overrides for trainer.restore); ValueError names a bad flag."""
-    if best and (step is not None or average_last):
-        raise ValueError("--best chooses one checkpoint: it goes with neither --step nor --average_last")
-    if average_last is not None and average_last < 0:
-        raise ValueError(f"--average_last={average_last} must be >= 0")
-    given = {key: value for key, value in overrides.items() if value is not None}
-    known = {field.name for field in dataclasses.fields(DecodeConfig)}
-    try:
-        settings = DecodeConfig(**{**{k: v for k, v in saved.items() if k in known}, **given})
-    except ValueError as error:  # name the flag rather than the config key it overrides
-        message = str(error)
-        for key, value in given.items():
-            message = message.replace(f"decode.{key}={value!r}", f"--{key}={value!r}").replace(
-                f"decode.{key}={value}", f"--{key}={value}")
-        raise ValueError(message) from error
-    settings.check_nbest(nbest)
-    if average_last is None:
-        average_last = 0 if best else int(saved.get("average_last", 0))
-    return average_last, given

@@ -18,14 +18,15 @@ import jax
 import numpy as np
 from flax import nnx
 
-from transformer import decode, trainer
+from transformer import decode
+from transformer.restore import restore, workdir_family
 
 
 class FeatureExtractor:
     def __init__(self, workdir: str, step: int | None = None, *, average_last: int = 0):
-        if trainer.workdir_family(workdir) == "decoder_only":  # said before any checkpoint is read
+        if workdir_family(workdir) == "decoder_only":  # said before any checkpoint is read
             raise ValueError(f"{workdir} holds a decoder_only model, which has no encoder to extract features from")
-        self.restored = trainer.restore(workdir, step, average_last=average_last)
+        self.restored = restore(workdir, step, average_last=average_last)
         self._encode = jax.jit(functools.partial(encode, graphdef=self.restored.graphdef))
 
     def __call__(self, sentences: list[str], *, max_length: int | None = None) -> tuple[np.ndarray, np.ndarray]:

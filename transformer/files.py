@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import re
 import shutil
@@ -21,9 +20,9 @@ from typing import Any
 
 from etils import epath
 
+from transformer.console import log
 from transformer.errors import ReportedError
 
-log = logging.getLogger("transformer")  # the console logger that transformer.metrics sets up
 
 
 class DamagedFileError(ReportedError, ValueError):

@@ -1,9 +1,22 @@
-"""The training loop's periodic actions: each is a small object with its own trigger, and `Run.train` calls them
-in order (in the spirit of clu's periodic actions).
+"""The training loop's periodic actions, in the spirit of clu's periodic actions: each is a small object with its
+own trigger, and the loop (trainer.Loop) calls every action's hooks at every step without knowing what they do.
 
-A step is a *sync step* when a log, a checkpoint, the last step, the cooldown's end, the time budget's projected
-end or a preemption falls on it. Only there are the metrics fetched from the devices (the loop's one host sync),
-and every save happens at a sync step after that fetch, so a non-finite step is caught before anything is saved.
+A step is a *sync step* when an action asks for one (a log, a checkpoint, a dev BLEU evaluation, the cooldown's
+end, the time budget's projected end, a preemption) or it is the last step. Only there are the metrics fetched from
+the devices (the loop's one host sync), and every save happens at a sync step after that fetch, so a non-finite
+step is caught before anything is saved.
+
+The hooks of an `Action`, in the order a step calls them (each action's default does nothing):
+  before_step   before the step is dispatched (the cooldown begun by step count, a profile started)
+  after_step    once the step is dispatched, not awaited (a profile stopped)
+  syncs         whether this must be a sync step for the action; asked of every action at every step
+  stop_reason   at a sync step: why the run stops here (the first action with a reason stops it), or None
+  at_sync       at a sync step the run goes on from (a timed checkpoint, the cooldown begun by time, a report mark)
+  off_the_clock after every step but the last (which the end of the run evaluates), off the training clock
+  end_of_step   last: the periodic checkpoint
+Each hook takes the loop, which offers what actions act on: `state`, `clock`, `budget`, `progress`,
+`final_step`, `saved_at`, `save(step, force)`, `pace(step)`, `score_final()`, `write_reports(reports)`, and the
+run's evaluations (`report_loss`, `report_dev_bleu`).
 """
 
 from __future__ import annotations
@@ -20,7 +33,7 @@ import jax
 import numpy as np
 
 from transformer import optim
-from transformer.metrics import log
+from transformer.console import log
 from transformer.steps import summarize
 
 # EX_TEMPFAIL from sysexits.h: a requeue script re-runs the same command on this status, which resumes the run.
@@ -37,14 +50,62 @@ def agreed_seconds(seconds: float, timed: bool) -> float:
     return float(multihost_utils.broadcast_one_to_all(np.float32(seconds)))
 
 
-class Every:
-    """Due at every multiple of `steps` (never when 0)."""
+class Action:
+    """One of the loop's periodic actions (module docstring): it overrides the hooks it acts in."""
+
+    def before_step(self, loop, step: int) -> None:
+        pass
+
+    def after_step(self, loop, step: int) -> None:
+        pass
+
+    def syncs(self, loop, step: int) -> bool:
+        return False
+
+    def stop_reason(self, loop, step: int) -> str | None:
+        return None
+
+    def at_sync(self, loop, step: int) -> None:
+        pass
+
+    def off_the_clock(self, loop, step: int) -> None:
+        pass
+
+    def end_of_step(self, loop, step: int) -> None:
+        pass
+
+
+class Every(Action):
+    """Due at every multiple of `steps` (never when 0); then `run(loop, step)` off the training clock, and with
+    `syncs` the step is a sync step (a log; a dev BLEU evaluation, which may save the best checkpoint: that must
+    not hold a non-finite update)."""
+
+    def __init__(self, steps: int, run=None, *, syncs: bool = False):
+        self.steps, self.run, self.sync = steps, run, syncs
+
+    def __call__(self, step: int) -> bool:
+        return bool(self.steps) and step % self.steps == 0
+
+    def syncs(self, loop, step: int) -> bool:
+        return self.sync and self(step)
+
+    def off_the_clock(self, loop, step: int) -> None:
+        if self.run is not None and self(step):
+            self.run(loop, step)
+
+
+class Checkpoint(Action):
+    """train.checkpoint_every_steps: a save at each multiple, at the end of its step (after its evaluations).
+    The loop asks at every step, so that a failed asynchronous save stops the run within a step of it."""
 
     def __init__(self, steps: int):
         self.steps = steps
 
-    def __call__(self, step: int) -> bool:
-        return bool(self.steps) and step % self.steps == 0
+    def syncs(self, loop, step: int) -> bool:
+        return step % self.steps == 0
+
+    def end_of_step(self, loop, step: int) -> None:
+        loop.save(step)
 
 
 class Clock:
@@ -116,13 +177,13 @@ class MetricsWindow:
         return summary
 
 
-class TimeBudget:
+class TimeBudget(Action):
     """train.max_train_minutes: stop within a step of the budget. At each fetch it projects from the window's pace
     how many whole steps are left; with fewer than a log interval left it asks for a fetch at the step where it
     runs out (`check_step`), rather than at the first log step past it."""
 
     def __init__(self, minutes: float, log_every_steps: int):
-        self.seconds = minutes * 60 or math.inf
+        self.minutes, self.seconds = minutes, minutes * 60 or math.inf
         self.log_every_steps = log_every_steps
         self.steps_left = math.inf
         self.check_step: int | None = None
@@ -145,8 +206,19 @@ class TimeBudget:
     def left(self, seconds: float) -> float:
         return max(self.seconds - seconds, 0.0)
 
+    def syncs(self, loop, step: int) -> bool:
+        return step == self.check_step
 
-class Cooldown:
+    def stop_reason(self, loop, step: int) -> str | None:
+        if not self.spent():
+            return None
+        reason = (f"the time budget of train.max_train_minutes={self.minutes:g} is spent ({loop.clock.seconds:.0f}s "
+                  f"of training{'' if self.steps_left <= 0 else ', less than a step of it left'})")
+        loop.progress.write(f"step {step}: {reason}")
+        return reason
+
+
+class Cooldown(Action):
     """optimizer.cooldown_fraction: the learning rate's linear decay over the last fraction of the run. It begins
     at the last fraction of num_train_steps or, under a time budget, at (1 - fraction) of the budget, whichever
     comes first. The (start, end) window lives in the optimizer state once begun, so a resumed run keeps a decay it
@@ -182,6 +254,23 @@ class Cooldown:
         """The decay has ended before the run's last step (a timed decay): the run stops here."""
         return bool(self.window) and self.window[1] <= step < final_step
 
+    def before_step(self, loop, step: int) -> None:
+        loop.state = self.by_steps(loop.state, step)
+
+    def syncs(self, loop, step: int) -> bool:
+        return self.ends_at(step)
+
+    def stop_reason(self, loop, step: int) -> str | None:
+        if not self.done(step, loop.final_step):
+            return None
+        reason = (f"the cooldown (optimizer.cooldown_fraction={self.fraction:g}) is done ({loop.clock.seconds:.0f}s of "
+                  "training)")
+        loop.progress.write(f"step {step}: {reason}")
+        return reason
+
+    def at_sync(self, loop, step: int) -> None:
+        loop.state = self.by_time(loop.state, step, loop.clock.seconds, loop.budget, loop.pace(step))
+
     def _begin(self, state, start: int, end: int):
         state = state.replace(opt_state=optim.begin_cooldown(state.opt_state, start, end))
         self.window = start, end = optim.cooldown_steps(state.opt_state)  # as stored (end >= start)
@@ -191,7 +280,7 @@ class Cooldown:
         return state
 
 
-class ReportMarks:
+class ReportMarks(Action):
     """train.report_minutes: at these training minutes also average, decode and score. The marks an earlier part of
     the run scored are in `reports`; a mark it passed without scoring (stopped in between) is scored at the first
     fetch of this part."""
@@ -208,8 +297,19 @@ class ReportMarks:
         while self.due(seconds):
             self.reports[f"{self.marks.pop(0):g}"] = report
 
+    def at_sync(self, loop, step: int) -> None:
+        """A mark passed: save, then average, decode and score (not training time)."""
+        if not self.due(loop.clock.seconds):
+            return
+        loop.save(step, force=True)
+        with loop.clock.paused():
+            loop.progress.write(f"step {step}: train.report_minutes mark reached after {loop.clock.seconds:.0f}s of "
+                                "training")
+            self.record(loop.clock.seconds, loop.score_final())
+            loop.write_reports(self.reports)
 
-class TimedCheckpoint:
+
+class TimedCheckpoint(Action):
     """train.checkpoint_every_minutes: a save at the first fetch that many training minutes after the last save."""
 
     def __init__(self, minutes: float):
@@ -218,6 +318,10 @@ class TimedCheckpoint:
     def due(self, seconds: float, saved_at: float) -> bool:
         return bool(self.seconds) and seconds - saved_at >= self.seconds
 
+    def at_sync(self, loop, step: int) -> None:
+        if self.due(loop.clock.seconds, loop.saved_at):
+            loop.save(step, force=True)
+
 
 def _preemption_service() -> bool:
     """Whether JAX's preemption service runs here (jax.distributed initialized with it): it owns SIGTERM then."""
@@ -225,7 +329,7 @@ def _preemption_service() -> bool:
     return distributed.global_state.preemption_sync_manager is not None
 
 
-class Preemption:
+class Preemption(Action):
     """SIGTERM or SIGINT during the loop: the current step finishes, the loop saves a checkpoint, waits for it to be
     committed and exits with EXIT_PREEMPTED. A second signal exits at once (Orbax commits a checkpoint by renaming
     it whole, so an interrupted save leaves the previous one intact). Outside the loop (start-up, compiling, the
@@ -240,6 +344,7 @@ class Preemption:
         self.received: str | None = None
         self.service = jax.process_count() > 1 and _preemption_service()
         self.previous: dict[int, Any] = {}
+        self.stops = False  # whether the loop stops after the step just asked about (syncs)
 
     def __enter__(self) -> "Preemption":
         if jax.process_count() > 1 and not self.service:
@@ -279,8 +384,16 @@ class Preemption:
             return False
         return self.received is not None
 
+    def syncs(self, loop, step: int) -> bool:
+        """Asked at every step: with JAX's service every host must reach each step's sync point."""
+        self.stops = self.reached(step)
+        return self.stops
 
-class Profile:
+    def stop_reason(self, loop, step: int) -> str | None:
+        return f"preempted by {self.received}" if self.stops else None
+
+
+class Profile(Action):
     """train.profile_steps="N-M": a profiler trace of steps N to M (inclusive) in `directory`, which TensorBoard's
     profile plugin and Perfetto read. The trace stops after step M has finished on the devices: one host sync,
     only there."""
@@ -301,6 +414,12 @@ class Profile:
             self.stop()
             log.info("profiled steps %d-%d into %s (tensorboard --logdir=%s, or ui.perfetto.dev)", *self.steps,
                      self.directory, self.directory)
+
+    def before_step(self, loop, step: int) -> None:
+        self.before(step)
+
+    def after_step(self, loop, step: int) -> None:
+        self.after(step, loop.state)
 
     def stop(self) -> None:
         if self.active:

@@ -1,12 +1,11 @@
 """Scores and logs: sacreBLEU and chrF with their signatures, the paper's tokenized compound-split BLEU;
-TensorBoard, a metrics JSONL and console lines."""
+TensorBoard, a metrics JSONL and the progress bar (console lines: transformer.console)."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
 import json
-import logging
 import os
 import re
 import sys
@@ -16,21 +15,7 @@ from typing import Any
 import sacrebleu
 
 from transformer import files
-
-
-def _console_logger() -> logging.Logger:
-    """Our own progress lines, timestamped on stdout; absl/orbax chatter stays at absl's WARNING level."""
-    logger = logging.getLogger("transformer")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
-    return logger
-
-
-log = _console_logger()
+from transformer.console import log
 
 
 def bleu(hypotheses: list[str], references: list[str], *, target_lang: str | None = None) -> dict[str, Any]:
@@ -269,7 +254,7 @@ class Progress:
         if self.bar is None:
             log.info(line)
         else:
-            self.bar.write(line)
+            self.bar.write(line, file=sys.stderr)  # the bar's stream: stdout carries results only
 
     def close(self) -> None:
         if self.bar is not None:

@@ -34,7 +34,7 @@ import ml_collections
 from transformer import files
 from transformer.files import write_json
 from transformer.sweep import SweepError
-from transformer.workdir import pid_alive
+from transformer.workdir import CONFIG_FILE, pid_alive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_SCRIPT = os.path.join(ROOT, "train.py")
@@ -144,7 +144,7 @@ class Point:
     name: str
     overrides: dict[str, Any]
     config: ml_collections.ConfigDict  # the config with this point's overrides applied
-    problem: str | None = None  # why trainer.Settings refuses this config (an invalid point), else None
+    problem: str | None = None  # why settings.Settings refuses this config (an invalid point), else None
 
     @property
     def num_train_steps(self) -> int:
@@ -193,11 +193,11 @@ def apply_override(config: ml_collections.ConfigDict, key: str, value: Any) -> s
 
 
 def settings_problem(config: ml_collections.ConfigDict) -> str | None:
-    """What trainer.Settings.from_config (the same check train.py runs first) says about a config."""
-    from transformer import trainer  # imports jax: only where points are validated
+    """What settings.Settings.from_config (the same check train.py runs first) says about a config."""
+    from transformer.settings import Settings  # imports jax: only where points are validated
 
     try:
-        trainer.Settings.from_config(config)
+        Settings.from_config(config)
     except (ValueError, TypeError) as error:
         return str(error).splitlines()[0]
     return None
@@ -331,11 +331,11 @@ def is_done(point: Point, workdir: str) -> bool:
     the swept keys) is not skipped; relaunching it lets train.py refuse it, naming the difference."""
     if not is_complete(workdir, point.num_train_steps):
         return False
-    from transformer import trainer
+    from transformer.settings import check_resume_config  # imports jax: only for a finished run
 
-    saved = files.read_json(os.path.join(workdir, trainer.CONFIG_FILE), None, cache=True)
+    saved = files.read_json(os.path.join(workdir, CONFIG_FILE), None, cache=True)
     try:
-        trainer.check_resume_config(saved or {}, point.config)
+        check_resume_config(saved or {}, point.config)
     except ValueError:
         return False
     return True

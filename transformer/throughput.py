@@ -137,3 +137,18 @@ def device_peak_flops(device: jax.Device | None = None, dtype: str = "bfloat16")
         if re.search(rf"(?<![a-z0-9]){re.escape(kind.lower())}(?![a-z0-9])", device.device_kind.lower()):
             return flops if dtype == "bfloat16" else flops / 2
     return None
+
+
+def window_metrics(summary: dict[str, float], model_config: ModelConfig, seconds: float, steps: int,
+                       peak_flops: float | None) -> dict[str, float]:
+    """Tokens/s (real, non-padding tokens) and MFU over a logging window: analytic model FLOPs of the batches'
+    real tokens and attention pairs (throughput.model_flops) / seconds / the devices' peak."""
+    flops = model_flops(model_config, source_tokens=summary["source_tokens"],
+                                   target_tokens=summary["target_tokens"], encoder_pairs=summary["encoder_pairs"],
+                                   decoder_pairs=summary["decoder_pairs"], cross_pairs=summary["cross_pairs"])
+    out = {"tokens_per_second": summary["target_tokens"] / seconds,
+           "all_tokens_per_second": (summary["target_tokens"] + summary["source_tokens"]) / seconds,
+           "steps_per_second": steps / seconds, "model_flops_per_second": flops / seconds}
+    if peak_flops:
+        out["mfu"] = flops / seconds / (peak_flops * jax.device_count())
+    return out

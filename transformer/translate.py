@@ -21,14 +21,15 @@ import sys
 from collections.abc import Iterator
 from typing import TextIO
 
-from absl import app, flags, logging
+from absl import app, flags
 
 import jax
 
-from transformer import decode, errors, files, sharding, trainer
+from transformer import cli, console, decode, errors, files, sharding
+from transformer.restore import Restored, workdir_family
 
-decode.define_command_line_flags("lines")
-flags.adopt_module_key_flags(decode)
+cli.define_command_line_flags("lines")
+flags.adopt_module_key_flags(cli)
 flags.DEFINE_integer("batch_size", None, "Lines translated together, rounded up to whole rows per device; output "
                      "is written after each batch (default: the config's decode.batch_size).")
 flags.DEFINE_integer("nbest", 0, "Write the N best hypotheses of each line (N <= beam size) in Moses' n-best "
@@ -45,7 +46,7 @@ def chunks(lines: TextIO, size: int) -> Iterator[list[str]]:
         yield chunk
 
 
-def translate_stream(restored: trainer.Restored, lines: TextIO, out: TextIO, batch_size: int, nbest: int = 0,
+def translate_stream(restored: Restored, lines: TextIO, out: TextIO, batch_size: int, nbest: int = 0,
                      name: str = "stdin") -> int:
     """Translate every line of `lines` into `out`, a batch at a time (batch_size rounded up to whole rows per
     device); with nbest, write each line's n-best list instead. Inputs longer than the bound are cut, with one
@@ -54,14 +55,13 @@ def translate_stream(restored: trainer.Restored, lines: TextIO, out: TextIO, bat
     search = settings.search_fn(restored.graphdef, restored.settings.seed, scores=nbest > 0)
     bound = restored.input_bound
     batch_sharding = restored.batch_sharding
-    rows, count, cut_lines = decode.rows_per_batch(batch_size, batch_sharding), 0, []
+    rows, count, cut_lines = decode.device_rows(batch_size, batch_sharding), 0, []
     for chunk in chunks(lines, rows):
         decoded = decode.search_sentences(search, restored.params, restored.tokenizer, chunk, rows, bound,
                                           name=None, max_tokens_per_batch=settings.max_tokens_per_batch,
                                           batch_sharding=batch_sharding)
         if nbest:
-            written = decode.nbest_lines([h[:nbest] for h in decoded.hypotheses], restored.tokenizer,
-                                         first_index=count)
+            written = decode.nbest_lines(decoded.nbest(nbest), restored.tokenizer, first_index=count)
         else:
             written = decoded.translations(restored.tokenizer)
         if jax.process_index() == 0:  # every process holds every translation
@@ -76,18 +76,17 @@ def translate_stream(restored: trainer.Restored, lines: TextIO, out: TextIO, bat
 def main(argv):
     if len(argv) > 1:
         raise errors.ConfigError(f"unexpected arguments {argv[1:]}: every option is a --flag=value")
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
+    console.route_libraries()  # absl's records (orbax, grain, the data pipeline) in the console's format
     sharding.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     if jax.process_count() > 1 and not FLAGS.input:
         raise errors.ConfigError("several processes read the same lines: give them --input (a file), not stdin")
     with errors.as_config_error():  # a bad flag or saved setting is named before anything is restored
-        if trainer.workdir_family(FLAGS.workdir) == "encoder_only":
+        if workdir_family(FLAGS.workdir) == "encoder_only":
             raise ValueError(f"{FLAGS.workdir} holds an encoder_only model, which has no decoder to translate with "
                              "(eval.py scores its masked tokens; transformer.features gives its encoder's outputs)")
-        restored = trainer.restore_for_command_line(
+        restored = cli.restore_for_command_line(
             FLAGS.workdir, FLAGS.step, average_last=FLAGS.average_last, best=FLAGS.best, nbest=FLAGS.nbest,
-            **{name: FLAGS[name].value for name in decode.COMMAND_LINE_OVERRIDES})
+            **{name: FLAGS[name].value for name in cli.COMMAND_LINE_OVERRIDES})
     source = files.open_file(FLAGS.input) if FLAGS.input else sys.stdin
     out = files.open_file(FLAGS.output, "w") if FLAGS.output and jax.process_index() == 0 else sys.stdout
     try:

@@ -1,4 +1,5 @@
-"""The workdir: one owner at a time, files that a kill cannot tear, and the identity of its vocabulary.
+"""The workdir: one owner at a time, files that a kill cannot tear, the identity of its vocabulary, and the names
+and records of what a run keeps there (config.json, run.json with each start's provenance, reports.json).
 
 **One owner.** A training job holds `workdir/lock.json` (host, pid, when it started, a heartbeat) from start to
 end; a second job on the same workdir is refused at once with `WorkdirInUseError`, naming the holder. In a
@@ -42,7 +43,6 @@ import datetime
 import errno
 import hashlib
 import json
-import logging
 import os
 import socket
 import sys
@@ -51,15 +51,24 @@ import time
 import uuid
 from typing import Any
 
+import jax
+import numpy as np
 from etils import epath
 
+from transformer import files
+from transformer.console import log
 from transformer.errors import DataError, ReportedError
 from transformer.files import temporary_path, write_all, exists, is_local, make_dirs, open_file, read_bytes, write_bytes
 
 LOCK_FILE = "lock.json"
 VOCABULARY_FILE = "vocab.model"
+CONFIG_FILE = "config.json"  # the run's whole config, with the vocabulary size its model has
+RUN_FILE = "run.json"  # the batch shape a run trains on, and each start's provenance
+REPORTS_FILE = "reports.json"  # the train.report_minutes scores, by mark, written at each mark
+CHECKPOINTS_DIR = "checkpoints"  # the train states
+PARAMS_DIR = "params"  # params snapshots of the last decode.average_last checkpoints, for averaging
+BEST_CHECKPOINT_DIR = "best_checkpoint"  # the params of the best dev BLEU (train.keep_best_checkpoint)
 
-log = logging.getLogger("transformer")  # the console logger that transformer.metrics sets up
 
 
 class WorkdirInUseError(ReportedError, RuntimeError):
@@ -94,8 +103,8 @@ def vocabulary_record(path: str, vocab_size: int) -> dict[str, Any]:
 
 
 def check_vocabulary(recorded: dict[str, Any] | None, path: str) -> None:
-    """Refuse `path` unless it is the recorded vocabulary (`vocabulary_record`); a workdir written before
-    vocabularies were recorded (None) passes."""
+    """Refuse `path` unless it is the recorded vocabulary (`vocabulary_record`); with none recorded yet (None: a
+    first start) it passes."""
     if not recorded:
         return
     found = fingerprint(path)
@@ -462,3 +471,133 @@ def remove_if_unchanged(path: str, identity: str, claim: str) -> bool:
 
 def _encode(record: dict[str, Any]) -> bytes:
     return (json.dumps(record, indent=1) + "\n").encode("utf-8")
+
+
+# ----------------------------------------------------------------------------------------------------
+# What a run keeps in its workdir besides checkpoints: its config, its record (run.json), its report marks
+
+
+def read_run_file(workdir: str) -> dict[str, Any]:
+    return files.read_json(os.path.join(workdir, RUN_FILE), {})  # {} before the first start writes it
+
+
+def provenance(batch: Any, mesh: Any, microbatches: int) -> dict[str, Any]:
+    """What a researcher needs days later to know what ran: code, packages, devices, mesh, tokens per step."""
+    import importlib.metadata
+    import platform
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                                    capture_output=True, text=True, timeout=10).stdout.strip()) if commit else None
+    except (OSError, subprocess.SubprocessError):  # no git, or not a checkout (an installed package)
+        commit, dirty = None, None
+    versions = {}
+    for package in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy", "sentencepiece",
+                    "sacrebleu", "tensorflow-datasets", "transformer"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {"time": now, "command": sys.argv,
+            "host": platform.node(), "commit": commit, "uncommitted_changes": dirty, "python": sys.version.split()[0],
+            "packages": versions, "device_kind": jax.devices()[0].device_kind, "devices": jax.device_count(),
+            "processes": jax.process_count(), "mesh": dict(mesh.shape), "microbatches": microbatches,
+            "rows": batch.rows, "row_length": batch.row_length, "tokens_per_step": batch.tokens}
+
+
+def record_start(workdir: str, batch: Any, mesh: Any, microbatches: int, vocabulary: dict[str, Any] | None = None,
+                 train_data: Any = None) -> None:
+    """run.json: the batch shape (a plan.BatchShape), the vocabulary's record (`vocabulary_record`) and the train
+    data's fingerprint (once: a resume keeps the data stream, and is refused another vocabulary) and every start's
+    provenance, written whole."""
+    record = read_run_file(workdir)
+    record.setdefault("batch", {"rows": batch.rows, "row_length": batch.row_length})
+    if vocabulary is not None:
+        record.setdefault("vocabulary", vocabulary)
+        record.setdefault("train_data", train_data)
+    record.setdefault("starts", []).append(provenance(batch, mesh, microbatches))
+    files.write_json(os.path.join(workdir, RUN_FILE), record)
+
+
+def read_reports(workdir: str) -> dict[str, Any]:
+    """The train.report_minutes scores an earlier part of the run wrote (workdir/reports.json), by mark."""
+    return files.read_json(os.path.join(workdir, REPORTS_FILE), {})
+
+
+def write_reports(workdir: str, reports: dict[str, Any]) -> None:
+    if jax.process_index() == 0:
+        files.write_json(os.path.join(workdir, REPORTS_FILE), reports)
+
+
+def use_compilation_cache(directory: str, workdir: str) -> None:
+    """JAX's persistent compilation cache, so that a restarted run loads its compiled steps instead of compiling
+    them again: train.compilation_cache_dir, by default workdir/compilation_cache; "none" turns it off. A cache
+    the environment already chose (JAX_COMPILATION_CACHE_DIR) is left as it is."""
+    if directory == "none" or jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", directory or os.path.join(workdir, "compilation_cache"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The lock of a multi-process job: process 0 holds it, every process learns whether it does
+
+
+def acquire_workdir(workdir: str) -> WorkdirLock | None:
+    """Process 0 takes the workdir's lock for the whole job (WorkdirLock); every process learns whether it did, so
+    that all refuse together. A lock this process still holds from a run it never closed is released first: one
+    process is one owner."""
+    lock, error = None, None
+    if jax.process_index() == 0:
+        previous = _HELD_LOCKS.pop(_lock_key(workdir), None)
+        if previous is not None:
+            previous.release()
+        try:
+            lock = WorkdirLock(workdir).acquire()
+            _HELD_LOCKS[_lock_key(workdir)] = lock
+        except Exception as caught:  # in use, or an unwritable workdir: every process must learn it
+            error = caught
+    if not _on_every_process(error is None) and error is None:
+        error = WorkdirInUseError(f"{workdir} is in use: process 0's log names the job that holds it")
+    if error is not None:
+        raise error
+    return lock
+
+
+def check_workdir_lock(lock: WorkdirLock | None) -> None:
+    """Raise WorkdirLockLost on every process if process 0's lock was taken over (they stop together)."""
+    lost = None
+    if lock is not None:
+        try:
+            lock.check()
+        except WorkdirLockLost as error:
+            lost = error
+    if not _on_every_process(lost is None) and lost is None:
+        lost = WorkdirLockLost("process 0 lost the workdir lock to another job (its log names it)")
+    if lost is not None:
+        raise lost
+
+
+def release_workdir(workdir: str, lock: WorkdirLock) -> None:
+    if _HELD_LOCKS.get(_lock_key(workdir)) is lock:
+        del _HELD_LOCKS[_lock_key(workdir)]
+    lock.release()
+
+
+def _on_every_process(ok: bool) -> bool:
+    """Process 0's answer, on every process."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
+
+
+def _lock_key(workdir: str) -> str:
+    return os.path.realpath(workdir) if is_local(workdir) else workdir
+
+
+_HELD_LOCKS: dict[str, WorkdirLock] = {}  # this process's workdir locks, by real path or URL
