@@ -21,19 +21,20 @@ from transformer.model import ROUTER_STATS, ModelConfig
 from transformer.plan import plan_batch, rows_multiple
 from transformer.settings import Settings
 from transformer.steps import eval_step, summarize
+from transformer.token_cache import TokenCache
 from transformer.tokenizer import Tokenizer
 
 SAMPLE_TRANSLATIONS = 4  # (source, reference, translation) triples written as text at each BLEU evaluation
 
 
 def tokenized_split(tokenizer: Tokenizer, pairs: list[tuple[str, str]], max_length: int
-                    ) -> tuple[data.TokenCache, np.ndarray]:
+                    ) -> tuple[TokenCache, np.ndarray]:
     """A split's pairs tokenized, and the indices of those within max_length (the pairs an eval loss reads)."""
-    cache = data.TokenCache.tokenize(tokenizer, pairs)
+    cache = TokenCache.tokenize(tokenizer, pairs)
     return cache, data.LengthFilter.of(cache, max_length).kept
 
 
-def eval_loss(evaluate, params, cache: data.TokenCache, kept: np.ndarray, data_config: data.DataConfig, rows: int,
+def eval_loss(evaluate, params, cache: TokenCache, kept: np.ndarray, data_config: data.DataConfig, rows: int,
               batch_sharding) -> dict[str, float]:
     """The eval step over the pairs `kept` of a cache, packed as training packs them, summed and summarized:
     loss, accuracy, perplexity, target tokens (and a mixture of experts' router stats)."""
@@ -69,7 +70,7 @@ class Evaluator:
         self.search = None if model_config.family == "encoder_only" else settings.decode.search_fn(
             graphdef, settings.seed, scores=scores)
         self.input_bound = settings.decode.input_bound(settings.data.max_length, model_config.position_limit)
-        self.splits: dict[str, tuple[data.TokenCache, np.ndarray]] = {}  # split -> its token cache and kept pairs
+        self.splits: dict[str, tuple[TokenCache, np.ndarray]] = {}  # split -> its token cache and kept pairs
 
     @classmethod
     def of(cls, restored, *, scores: bool = False) -> "Evaluator":

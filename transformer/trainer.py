@@ -25,6 +25,7 @@ from transformer.plan import count_params, create_train_state, make_plan, make_s
 from transformer.restore import load_workdir_config
 from transformer.settings import Settings, check_resume_config, flatten, saved_config
 from transformer.steps import TrainState
+from transformer.token_cache import TokenCache
 from transformer.tokenizer import Tokenizer
 from transformer.workdir import CHECKPOINTS_DIR, CONFIG_FILE, RUN_FILE
 
@@ -33,9 +34,9 @@ from transformer.workdir import CHECKPOINTS_DIR, CONFIG_FILE, RUN_FILE
 class Corpus:
     tokenizer: Tokenizer
     pairs: dict[str, list[tuple[str, str]]]  # split -> raw (source, target) sentences, read on first use
-    valid: data.TokenCache  # the dev set, tokenized, for the eval loss
+    valid: TokenCache  # the dev set, tokenized, for the eval loss
     valid_kept: np.ndarray  # indices into valid of the pairs within max_length
-    train_cache: data.TokenCache  # the tokenized train split
+    train_cache: TokenCache  # the tokenized train split
     train_kept: np.ndarray  # indices into train_cache of the pairs within max_length
     train_source: Any = None  # the train split's fingerprint (what its token cache was built from)
 
@@ -71,7 +72,7 @@ def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
              settings.data.max_length)
     if not len(length_filter.kept):
         raise data.DataError(f"every train pair is longer than data.max_length={settings.data.max_length} tokens")
-    valid = data.TokenCache.tokenize(tokenizer, pairs["valid"])
+    valid = TokenCache.tokenize(tokenizer, pairs["valid"])
     valid_filter = data.LengthFilter.of(valid, settings.data.max_length)
     decoded = "" if settings.model.get("family") == "encoder_only" else " (BLEU decodes them all)"
     log.info("valid loss: %d pairs, %d longer than %d tokens left out%s", len(valid_filter.kept),
