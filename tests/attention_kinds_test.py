@@ -5,7 +5,8 @@ the window covers the row, to dense under a band mask otherwise, and to jax's ow
 cached decoding (a ring of r + 1 positions) equals the teacher-forced pass, padding changes no real position,
 packed rows equal separate sentences, and beam search's scores are the teacher-forced log-probabilities.
 
-linformer: keys and values projected along the length (encoder self-attention, one sentence per row); padding
+linformer: keys and values projected along the length (encoder self-attention, one sentence per row); equal to
+softmax(Q (E^T K)^T / sqrt(d)) (F^T V) computed by hand and unlike dense on the same projections; padding
 changes no real position, cached decoding equals the teacher-forced pass, and what it cannot do is refused at
 config time, by name.
 
@@ -26,7 +27,8 @@ from configs import default
 from tiny import decode_incrementally
 from transformer.decode import beam_search, length_penalty
 from transformer.model import ModelConfig, build
-from transformer.model.attention import attention
+from transformer.model.attention import DenseSelfAttention, attention
+from transformer.model.blocks import Inputs
 from transformer.model.local import local_attention, windowed_attention
 from transformer.model.masks import SelfMask
 from transformer.model.performer import (causal_sums, feature_exponents, key_exponents, performer_attention,
@@ -178,6 +180,45 @@ LINFORMER = dataclasses.replace(LOCAL, encoder_attention="linformer", decoder_at
 @pytest.fixture(scope="module")
 def linformer_model():
     return build(LINFORMER, rngs=nnx.Rngs(0))
+
+
+def test_linformer_attends_over_e_k_and_f_v_by_hand_and_differs_from_dense(linformer_model):
+    """The model's encoder self-attention is softmax(Q (E^T K)^T / sqrt(d)) (F^T V), heads apart, then the output
+    projection, with E and F the module's key_projection and value_projection tables cut to the row's length and
+    the padding positions' keys and values zeroed first; the same projections under dense attention give another
+    output, so the kind is in force."""
+    attention_module = linformer_model.encoder_layers[0].self_attention
+    x = jax.random.normal(jax.random.key(7), (2, 9, LINFORMER.emb_dim))
+    segmentation = (INPUTS != 0).astype(jnp.int32)
+
+    @nnx.jit
+    def attend(module, x, mask):
+        return module(x, Inputs(self_mask=mask), deterministic=True, rngs=None)[0]
+    linformer = np.asarray(attend(attention_module, x, SelfMask(segmentation)))
+
+    dense_module = DenseSelfAttention(dataclasses.replace(LINFORMER, encoder_attention="dense"), "encoder_attention",
+                                      rngs=nnx.Rngs(0))
+    for name in ("query", "key", "value", "output"):
+        getattr(dense_module, name).kernel[...] = getattr(attention_module, name).kernel[...]
+    dense_output = np.asarray(attend(dense_module, x, SelfMask(segmentation)))
+    assert np.abs(dense_output - linformer)[np.asarray(segmentation != 0)].max() > 1e-2
+
+    def kernel(linear):
+        return np.asarray(linear.kernel[...], np.float64)
+    heads, head_dim = LINFORMER.num_heads, LINFORMER.head_dim
+    x64 = np.asarray(x, np.float64)
+    query, key, value = (np.reshape(x64 @ kernel(linear), (2, 9, heads, head_dim))
+                         for linear in (attention_module.query, attention_module.key, attention_module.value))
+    real_tokens = np.asarray(segmentation != 0, np.float64)[:, :, None, None]
+    e = np.asarray(attention_module.key_projection[...], np.float64)[:9]  # [length, linformer_length]
+    f = np.asarray(attention_module.value_projection[...], np.float64)[:9]
+    projected_keys = np.einsum("lk,blhd->bkhd", e, key * real_tokens)  # E^T K per row and head
+    projected_values = np.einsum("lk,blhd->bkhd", f, value * real_tokens)
+    logits = np.einsum("bqhd,bkhd->bhqk", query, projected_keys) / np.sqrt(head_dim)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    attended = np.einsum("bhqk,bkhd->bqhd", weights, projected_values).reshape(2, 9, LINFORMER.emb_dim)
+    np.testing.assert_allclose(linformer, attended @ kernel(attention_module.output), atol=1e-5)
 
 
 def test_linformer_padding_changes_no_real_position(linformer_model):

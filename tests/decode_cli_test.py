@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from tiny import TINY_OVERRIDES, tree_digest
+from tiny import TINY_OVERRIDES, rescored_bleu, tree_digest
 
 from transformer import data, decode
 from transformer.tokenizer import Tokenizer
@@ -119,7 +119,10 @@ def test_evaluations_beside_a_save_in_flight_keep_their_own_results_and_count_th
         settings = Settings.from_config(load_workdir_config(str(workdir)))
         sources = [source for source, _ in data.read_split(settings.data, "valid")]
         too_long = sum(len(ids) > 48 for ids in Tokenizer(str(workdir / "vocab.model")).encode(sources))
-        assert valid["step"] == 6 and valid["inputs_cut"] == too_long > 0 and 0.0 <= valid["bleu"] <= 100.0
+        assert valid["step"] == 6 and valid["inputs_cut"] == too_long > 0
+        rescored = rescored_bleu(workdir, valid["output"], "valid")  # the translations written, scored again
+        assert {key: valid[key] for key in rescored} == pytest.approx(rescored)
+        assert f"valid BLEU {valid['bleu']:.2f}  {valid['signature']}" in result.stdout
         assert valid["sentences"] == len(sources)  # the cut ones are scored too
         assert json.loads((workdir / "eval" / "scores.long.txt.avg2_step6.greedy-extra4.json").read_text()) == [cut]
         assert not [name for name in os.listdir(workdir / "eval") if ".tmp" in name]  # only whole files remain

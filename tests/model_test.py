@@ -1,3 +1,5 @@
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,9 @@ from tiny import decode_incrementally
 from transformer.model import ModelConfig, build
 from transformer.model.attention import to_cache_layout
 from transformer.model.masks import attention_mask, sinusoidal_positions
+from transformer.optim import OptimizerConfig, make_optimizer
+from transformer.plan import create_train_state, model_graphdef
+from transformer.steps import train_step
 
 TINY = dict(vocab_size=40, emb_dim=32, num_heads=4, num_encoder_layers=2, num_decoder_layers=2, mlp_dim=64)
 INPUTS = jnp.array([[5, 6, 7, 8, 1, 0, 0], [9, 10, 1, 0, 0, 0, 0]])
@@ -151,6 +156,49 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
     logits = apply(model, INPUTS, DECODER_INPUTS)
     assert logits.dtype == jnp.float32
     np.testing.assert_allclose(logits, reference(INPUTS, DECODER_INPUTS), atol=0.1)  # bf16 has ~3 digits
+
+
+def dot_operand_dtypes(jaxpr) -> list[tuple[str, ...]]:
+    """The operand dtypes of every dot_general in a jaxpr, the jaxprs nested in its equations (jit, scan, remat,
+    custom gradients) included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(tuple(str(operand.aval.dtype) for operand in eqn.invars))
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else [value]:
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's own jaxpr
+                if hasattr(inner, "eqns"):
+                    found += dot_operand_dtypes(inner)
+    return found
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_compute_dtype_is_the_dtype_of_every_matmul_of_a_forward_pass_and_a_train_step(dtype):
+    """With dtype="bfloat16" every matrix product of the forward pass takes bfloat16 operands, and in the train
+    step none takes two float32 ones (the backward passes of the products accumulated in float32, the attention
+    logits and the output logits, take their float32 cotangent and a bfloat16 operand); parameters stay float32
+    before and after the step, logits come out float32. With float32, no product sees a bfloat16 operand."""
+    config = ModelConfig(**{**TINY, "num_encoder_layers": 1, "num_decoder_layers": 1}, dtype=dtype)
+    optimizer, schedule = make_optimizer(OptimizerConfig(learning_rate_scale=1.0, warmup_steps=10), TINY["emb_dim"])
+    state = jax.eval_shape(lambda: create_train_state(config, optimizer, seed=0))  # traced, never run
+    graphdef = model_graphdef(config)
+    forward = jax.make_jaxpr(lambda params: nnx.merge(graphdef, params)(INPUTS, DECODER_INPUTS))(state.params)
+    step = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, schedule=schedule,
+                             label_smoothing=0.1)
+    batch = {"inputs": INPUTS, "targets": DECODER_INPUTS}
+    train = jax.make_jaxpr(step)(state, batch)
+    forward_dots, train_dots = dot_operand_dtypes(forward.jaxpr), dot_operand_dtypes(train.jaxpr)
+    # Every product: per attention 4 projections and 2 products (3 attentions), 2 per feed-forward, the output's.
+    assert len(forward_dots) == 3 * 6 + 2 * 2 + 1 and len(train_dots) > 2 * len(forward_dots)  # and the gradients'
+    if dtype == "bfloat16":
+        assert all(operands == ("bfloat16", "bfloat16") for operands in forward_dots), forward_dots
+        assert all("bfloat16" in operands for operands in train_dots), train_dots
+    else:
+        assert all(operands == ("float32", "float32") for operands in forward_dots + train_dots)
+    assert [x.dtype for x in forward.out_avals] == [jnp.float32]  # the logits
+    updated, _ = jax.eval_shape(step, state, batch)
+    assert {x.dtype for x in jax.tree.leaves((state.params, updated.params))} == {jnp.dtype(jnp.float32)}
 
 
 def test_init_std_draws_every_kernel_and_embedding_from_one_normal():

@@ -6,10 +6,12 @@ about a minute instead of the notebook's four. Needs nbclient, nbformat, ipykern
 """
 
 import base64
+import json
 import os
 import re
 
 import pytest
+from tiny import rescored_bleu
 
 NOTEBOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks", "quickstart.ipynb")
 # The default model on a smaller corpus, decoding short outputs: its translations are poor (BLEU ~0), but every
@@ -65,7 +67,12 @@ def test_the_quickstart_notebook_trains_scores_translates_and_draws_attention(tm
 
     scores = dict(re.findall(r"^(\w+) BLEU (\d+\.\d+)  nrefs:", stream_text(cell(notebook, "scores")), re.M))
     assert set(scores) == {"valid", "test"}, stream_text(cell(notebook, "scores"))
-    assert all(0.0 <= float(bleu) <= 100.0 for bleu in scores.values()), scores
+    with open(os.path.join(workdir, "scores.json"), encoding="utf-8") as handle:
+        recorded = json.load(handle)["bleu"]  # what the run wrote: the cell printed it, of the translations written
+    assert scores == {split: f"{score['bleu']:.2f}" for split, score in recorded.items()}, scores
+    for split, score in recorded.items():
+        rescored = rescored_bleu(workdir, os.path.join(workdir, f"translations_{split}_step{STEPS}.txt"), split)
+        assert {key: score[key] for key in rescored} == pytest.approx(rescored), split
 
     lines = stream_text(cell(notebook, "translate")).splitlines()
     assert lines

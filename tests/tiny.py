@@ -1,6 +1,7 @@
 """Shared by the tests: a tiny config (a small model on a slice of the built-in corpus, fast on 2 CPU
 cores), a digest of a directory's files (to show that a failed start left a workdir untouched), a run's
-metrics.jsonl records, and a script of scripts/ loaded as a module."""
+metrics.jsonl records, a script of scripts/ loaded as a module, and the BLEU of a file of translations scored
+again."""
 
 import hashlib
 import importlib.util
@@ -70,3 +71,23 @@ def decode_incrementally(model, inputs, targets, **cache_options):
         step_logits, cache = model.decode_step(targets[..., index], jnp.int32(index), cache)
         logits.append(step_logits)
     return jnp.stack(logits, axis=2)
+
+
+def rescored_bleu(workdir, translations, split: str) -> dict[str, float]:
+    """sacreBLEU (its defaults: 13a tokens, cased, as the runs score) of a file of translations, one a line, scored
+    here against the references of `split` read again from the workdir's config -> the score and the corpus's
+    hypothesis and reference lengths in tokens, which a run or eval.py that wrote the file must have reported. (A
+    tiny run's translations may all be empty, BLEU 0: the reference length still tells the split apart.)"""
+    import sacrebleu
+
+    from transformer import data
+    from transformer.restore import load_workdir_config
+    from transformer.settings import Settings
+
+    settings = Settings.from_config(load_workdir_config(str(workdir)))
+    references = [target for _, target in data.read_split(settings.data, split)]
+    with open(translations, encoding="utf-8") as handle:
+        hypotheses = handle.read().split("\n")[:-1]  # each line ends in a newline; an empty one is a translation
+    assert len(hypotheses) == len(references), (len(hypotheses), len(references))
+    score = sacrebleu.corpus_bleu(hypotheses, [references])
+    return {"bleu": score.score, "hypothesis_length": score.sys_len, "reference_length": score.ref_len}

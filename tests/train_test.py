@@ -11,7 +11,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from tiny import TINY_OVERRIDES, load_script, make_tiny_config, metric_records, tree_digest
+from tiny import TINY_OVERRIDES, load_script, make_tiny_config, metric_records, rescored_bleu, tree_digest
 from transformer import decode, sharding, throughput, trainer
 from transformer.checkpoint import CheckpointMismatchError
 from transformer.sources import DataError
@@ -47,7 +47,11 @@ def test_train_writes_checkpoints_scores_logs_and_prints_bleu(trained_workdir):
     assert "test BLEU" in stdout and "nrefs:1|case:mixed|eff:no|tok:13a" in stdout
     assert sorted(os.listdir(workdir / "checkpoints")) == ["3", "6"]
     scores = json.loads((workdir / "scores.json").read_text())
-    assert scores["step"] == 6 and 0.0 <= scores["bleu"]["test"]["bleu"] <= 100.0
+    assert scores["step"] == 6
+    for split, score in scores["bleu"].items():  # the scores of the translations written, as printed
+        rescored = rescored_bleu(workdir, workdir / f"translations_{split}_step6.txt", split)
+        assert {key: score[key] for key in rescored} == pytest.approx(rescored), split
+        assert f"step 6: {split} BLEU {score['bleu']:.2f} ({score['signature']})" in stdout
     records = metric_records(workdir)
     assert [r["step"] for r in records if r["split"] == "train"] == [2, 3, 4, 6]  # log and checkpoint steps
     vocab_size = int(re.search(r"; vocab (\d+);", log).group(1))  # the tokenizer's, logged at the start
