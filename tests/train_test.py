@@ -51,7 +51,7 @@ def test_train_writes_checkpoints_scores_logs_and_prints_bleu(trained_workdir):
     for split, score in scores["bleu"].items():  # the scores of the translations written, as printed
         rescored = rescored_bleu(workdir, workdir / f"translations_{split}_step6.txt", split)
         assert {key: score[key] for key in rescored} == pytest.approx(rescored), split
-        assert f"step 6: {split} BLEU {score['bleu']:.2f} ({score['signature']})" in stdout
+        assert f"step 6: {split} BLEU {score['bleu']:.2f} ({score['signature']})" in log  # the progress line
     records = metric_records(workdir)
     assert [r["step"] for r in records if r["split"] == "train"] == [2, 3, 4, 6]  # log and checkpoint steps
     vocab_size = int(re.search(r"; vocab (\d+);", log).group(1))  # the tokenizer's, logged at the start

@@ -16,7 +16,7 @@ model.decoder_attention), "cross_attention" (the decoder's reading of the encode
     each hypothesis's parent;
   * decoder_only's prefill of the source prefix: `prefill(x, inputs, cache) -> (y, cache)`.
 
-x and y are [batch, length, embed] (decoding: length = 1, batch x hypotheses rows as [batch, hypotheses, embed]).
+x and y are [batch, length, embed]; in decode_step [batch, hypotheses, embed], one position of every hypothesis.
 Whatever several layers read (a mask, the parents) is formed once per stack (`prepare`) or per step (`Step`).
 """
 
