@@ -15,7 +15,7 @@ from flax import nnx
 from tiny import TINY_OVERRIDES, decode_incrementally, make_tiny_config, rescored_bleu
 from transformer import steps, throughput, trainer
 from transformer.features import FeatureExtractor
-from transformer.model import ModelConfig, build, join_pair
+from transformer.model import ModelConfig, Transformer, build, join_pair
 from transformer.model.masks import prefix_lm_mask
 from transformer.tokenizer import EOS_ID
 from transformer.settings import Settings
@@ -115,6 +115,8 @@ def test_the_families_build_only_their_stacks_and_refuse_what_they_cannot_be():
     for fields, message in refused:
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             ModelConfig(**fields)
+    with pytest.raises(ValueError, match="builds family='encoder_decoder', not model.family='decoder_only'"):
+        Transformer(ModelConfig(**DECODER_ONLY), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="train.bleu_every_steps=3 needs BLEU"):
         Settings.from_config(make_tiny_config(**{"model.family": "encoder_only",
                                                          "model.num_decoder_layers": 0, "train.bleu_every_steps": 3}))

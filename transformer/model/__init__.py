@@ -24,7 +24,7 @@ from transformer.model.layers import stack_layer_params, unstack_layer_params
 from transformer.model.masks import join_pair, positions_of, segmentation_of
 from transformer.model.transformer import Transformer
 
-FAMILY_MODELS = {"encoder_decoder": Transformer, "decoder_only": DecoderOnly, "encoder_only": EncoderOnly}
+FAMILY_MODELS = {model.family: model for model in (Transformer, DecoderOnly, EncoderOnly)}
 
 
 def build(config: ModelConfig, *, rngs: nnx.Rngs) -> Transformer:

@@ -21,6 +21,8 @@ class DecoderOnly(Transformer):
     under prefix_lm_mask. The same four calls as the encoder-decoder: `encode` embeds the source prefix, which
     init_cache runs through the layers once (prefill)."""
 
+    family = "decoder_only"
+
     def encode(self, inputs: Array, *, inputs_segmentation: Array | None = None, inputs_position: Array | None = None,
                deterministic: bool = True, rngs: nnx.Rngs | None = None) -> Array:
         """inputs [batch, src_length] -> the embedded source prefix [batch, src_length, embed]."""
@@ -67,6 +69,8 @@ class DecoderOnly(Transformer):
 class EncoderOnly(Transformer):
     """The encoder's layers over one stream (the source, the target or the pair joined: steps.masked_batch), with
     the tied embedding as the masked language model's head: `__call__` and `encode`."""
+
+    family = "encoder_only"
 
     def __call__(self, inputs: Array, decoder_inputs: Array | None = None, *, inputs_segmentation: Array | None = None,
                  inputs_position: Array | None = None, targets_segmentation: Array | None = None,

@@ -35,7 +35,12 @@ class Transformer(nnx.Module):
     `init_cache` and `decode_step`, which every search uses. families.py builds the other families from the same
     parts (model.build chooses by config.family)."""
 
+    family = "encoder_decoder"  # the config.family this class builds
+
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        if config.family != self.family:
+            raise ValueError(f"{type(self).__name__} builds family={self.family!r}, not model.family="
+                             f"{config.family!r}: build models with transformer.model.build")
         self.config = config
         self.target_embedder = Embedder(config, rngs=rngs)
         self.source_embedder = self.target_embedder if config.share_embeddings else Embedder(config, rngs=rngs)
