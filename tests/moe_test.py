@@ -124,7 +124,9 @@ def test_descending_on_the_balance_loss_moves_the_load_toward_balance():
     optimizer = optax.adam(0.03)
 
     def objective(params, weight):
-        y, stats = nnx.merge(graphdef, params)(x, jnp.ones(x.shape[:2], bool), deterministic=True, rngs=None)
+        y, stats = nnx.merge(graphdef, params)(x, Inputs(real=jnp.ones(x.shape[:2], bool)), deterministic=True,
+                                               rngs=None)
+        stats = stats["router"]
         return jnp.mean((y - target) ** 2) + weight * stats[ROUTER_STATS.index("router_balance")], stats
 
     @jax.jit  # one compile for both weights, the loop inside
@@ -175,7 +177,7 @@ def test_expert_layers_are_every_other_and_the_model_reports_their_mean(moe_mode
 
     def recorded(self, *args, **kwargs):
         y, stats = call(self, *args, **kwargs)
-        layer_stats.append(stats)
+        layer_stats.append(stats["router"])
         return y, stats
     monkeypatch.setattr(MoEFeedForward, "__call__", recorded)
     logits, router, layers = nnx.jit(lambda m: (*m(INPUTS, DECODER_INPUTS, with_router_stats=True), layer_stats))(
