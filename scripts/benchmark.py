@@ -1,6 +1,6 @@
 """Benchmark the training step, or check ahead of a job that a config compiles and fits in memory.
 
-    # median step time, tokens/s and MFU at the peers' 'small' shapes (see docs/benchmarks.md)
+    # median step time, tokens/s and MFU at the 'small' shape of the reference benchmarks (docs/benchmarks.md)
     PYTHONPATH=. python scripts/benchmark.py --mode=train --shape=small
     # any config, batch and mesh; float32 or bfloat16; results appended to a JSONL
     PYTHONPATH=. python scripts/benchmark.py --mode=train --config=configs/base.py --batch=64 \\
@@ -13,14 +13,14 @@
     PYTHONPATH=. python scripts/benchmark.py --mode=train --shape=small --profile=20
 
 --mode=decode: beam search of `--batch` random source sentences of `--source_length` tokens, every sentence
-decoding exactly `--new_tokens` tokens (early stopping off, as the peers' `generate(eos_token_id=None)`), in
-float32; reports sentences/s and new tokens/s (batch * new_tokens / time, as the peers count them). Median of
+decoding exactly `--new_tokens` tokens (early stopping off, as the Hugging Face Marian reference's `generate(eos_token_id=None)`), in
+float32; reports sentences/s and new tokens/s (batch * new_tokens / time, as that reference counts them). Median of
 --repeats timed runs after one compiling run. `--beam_size=1` times greedy search instead, as eval.py runs it (a
 random model rarely emits EOS, so it too runs to the limit). `--config.decode.cache_blocks=N` sets the
 self-attention cache's blocks (default: decode.cache_blocks_for's choice).
 
 Batches are synthetic: every row holds `source_length` / `target_length` random non-padding tokens (no
-packing), like the peers' harness (/work/shared/peers/hf_throughput.py). Model FLOPs are
+packing), like the reference benchmark of a PyTorch Marian model (hf_throughput.py, docs/benchmarks.md). Model FLOPs are
 transformer/throughput.model_flops; MFU is against a float32 4096^3 matmul measured in the same run on CPU
 (--peak_size), or the table of device kinds on accelerators.
 """
@@ -71,7 +71,7 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__
 config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Config file (any field overridable).", lock_config=True)
 flags.DEFINE_enum("mode", "train", ["train", "decode"], "What to benchmark.")
 flags.DEFINE_bool("compile_only", False, "Only lower and compile the train step; report memory per device.")
-flags.DEFINE_enum("shape", None, ["small", "base"], "The peers' shapes (bench_common.CONFIGS): set the model, "
+flags.DEFINE_enum("shape", None, ["small", "base"], "The reference benchmarks' shapes (docs/benchmarks.md): set the model, "
                   "vocabulary, dropout 0.1 and batch; overrides the config's model fields.")
 flags.DEFINE_integer("batch", 64, "Sentences per step (rows).")
 flags.DEFINE_integer("source_length", 32, "Source tokens per row.")
@@ -90,7 +90,8 @@ flags.DEFINE_string("output", "", "Append the result as one JSON line to this fi
 flags.DEFINE_integer("profile", 0, "Also trace the step (train) or the cached search (decode) with jax.profiler "
                      "and print the N most expensive XLA ops with their HLO, and the time per op kind.")
 
-# The peers' shapes (/work/shared/peers/bench_common.CONFIGS), with their dropout 0.1 on embeddings and sublayers.
+# The reference benchmarks' shapes (small and base of docs/benchmarks.md), with their dropout 0.1 on embeddings and
+# sublayers.
 SHAPES = {
     "small": dict(model=dict(emb_dim=256, num_encoder_layers=3, num_decoder_layers=3, num_heads=4, mlp_dim=1024),
                   vocab_size=8000, batch=64, source_length=32, target_length=32),
@@ -109,7 +110,7 @@ def apply_shape(config, shape: str | None) -> dict:
             config.model[key] = value
         config.model.dropout_rate = 0.1
         config.model.share_embeddings = config.model.tie_output_embedding = True
-        # Decoding is measured on 64 sentences at both shapes (the peers' decode batch); training on the preset's.
+        # Decoding is measured on 64 sentences at both shapes (the reference benchmarks' decode batch); training on the preset's.
         keep = ("model", "batch") if flags.FLAGS.mode == "decode" else ("model",)
         sizes.update({k: v for k, v in preset.items() if k not in keep})
     return sizes

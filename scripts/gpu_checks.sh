@@ -1,7 +1,7 @@
 #!/bin/bash
-# The GPU checks as one prepared script, sized for one call of the device tool's H200
+# The GPU checks as one prepared script, sized for one H200 and a 10-minute command
 # (meant for about 8 minutes with compilation, not yet run on a GPU; every step has its own time limit, and all end by
-# GPU_CHECKS_SECONDS, 540 by default, inside the tool's 600 s per command):
+# GPU_CHECKS_SECONDS, 540 by default):
 #   1. the imports, and the attention implementations agree on the GPU (cudnn flash attention against the
 #      reference in bf16; the float32 tests at full matmul precision, not TF32);
 #   2. training-step throughput and MFU of 'base' in bfloat16 at ~25k target tokens per step (96 rows x 256
@@ -10,13 +10,14 @@
 #   4. the same training step of 'base' as a decoder-only model (14 layers: the parameters of 6 + 6), as a masked
 #      LM (6 encoder layers) and with 8 experts (top-2, every other layer), xla attention, each once;
 #   5. the same training steps for 'big'.
-# Results: $OUT/gpu_checks.jsonl (one JSON line per benchmark) and $OUT/gpu_checks.log.
+# Results: $OUT/gpu_checks.jsonl (one JSON line per benchmark) and $OUT/gpu_checks.log ($OUT: runs/gpu_checks
+# unless set).
 #
-# On the device machine (no network): carry wheels of what its image lacks, made here once with
+# On a GPU machine without network: bring wheels of what its image lacks, made once on a machine with network by
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
 #     --platform manylinux2014_x86_64 --platform any -d .whl ml-collections grain==0.2.18 array-record portpicker
-# and run `bash scripts/gpu_checks.sh` with `.whl` in carry. GPU_CHECKS_SMOKE=1 runs the same commands at toy
+# copy `.whl/` beside this repository's root there and run `bash scripts/gpu_checks.sh`. GPU_CHECKS_SMOKE=1 runs the same commands at toy
 # sizes with xla attention on any machine (the plumbing only: about a minute on a 2-core CPU).
 set -u -o pipefail
 cd "$(dirname "$0")/.."

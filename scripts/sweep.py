@@ -19,9 +19,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from absl import app, flags, logging  # noqa: E402
+from absl import app, flags  # noqa: E402
 
-from transformer import sweep, sweep_results, sweep_runner  # noqa: E402
+from transformer import console, sweep, sweep_results, sweep_runner  # noqa: E402
 
 flags.DEFINE_string("config", os.path.join(ROOT, "configs", "default.py"),
                     "Config file, path.py or path.py:argument as for train.py; its get_sweep() is the sweep.")
@@ -64,8 +64,7 @@ def select(points: list[sweep_runner.Point], names: list[str] | None) -> list[sw
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not flags.FLAGS["verbosity"].present:  # as train.py: library INFO chatter (matplotlib) stays quiet
-        logging.set_verbosity(logging.WARNING)
+    console.route_libraries()  # as train.py: one console, on stderr; the results table on stdout
     try:
         if FLAGS.collect:
             echo(sweep_results.write_results(FLAGS.collect, echo=echo), end="")

@@ -28,14 +28,13 @@ from typing import Any
 import grain
 import jax
 import numpy as np
-from absl import logging
 
-from transformer import config_files, corpus, sources
+from transformer import config_files, corpus, files, sources
+from transformer.console import log
+from transformer.errors import DataError
 from transformer.token_cache import (CACHE_FILES, SOURCE_FILE, PairSpill, TokenCache, cache_directory, cache_record,
                                      check_cache_record, fetch_cache, in_worker_processes)
-from transformer.errors import DataError
 from transformer.tokenizer import VOCAB_MODEL_TYPES, Tokenizer, train_tokenizer
-from transformer import files
 from transformer.workdir import VOCABULARY_FILE, VocabularyMismatchError, fingerprint
 
 SOURCES = ("builtin", "text", "tfds")
@@ -171,7 +170,7 @@ class SplitSource:
             self._spill = PairSpill.write(self._pairs, os.path.join(directory, f"{self.name}-text.tmp{os.getpid()}"))
             if not len(self._spill):
                 raise DataError(f"the {self.name} split has no sentence pairs")
-            logging.info("read %d %s pairs into %s in %.1fs", len(self._spill), self.name, self._spill.directory,
+            log.info("read %d %s pairs into %s in %.1fs", len(self._spill), self.name, self._spill.directory,
                          time.perf_counter() - start)
         return self._spill
 
@@ -257,7 +256,7 @@ def load_or_train_tokenizer(config: DataConfig, train: SplitSource | list[tuple[
                                 character_coverage=config.vocab_character_coverage,
                                 max_sentences=config.vocab_max_sentences, max_characters=config.vocab_max_characters)
     files.publish(local, path)
-    logging.info("trained the %s vocabulary %s in %.1fs", config.vocab_model_type, path, time.perf_counter() - start)
+    log.info("trained the %s vocabulary %s in %.1fs", config.vocab_model_type, path, time.perf_counter() - start)
     return tokenizer
 
 
@@ -325,7 +324,7 @@ def load_or_build_token_cache(train: SplitSource | list[tuple[str, str]], tokeni
         start = time.perf_counter()
         TokenCache.build(source.spill(os.path.dirname(local)),
                          tokenizer.path, local, num_workers=num_workers, record=record)
-        logging.info("tokenized the %s split into %s in %.1fs", split, local, time.perf_counter() - start)
+        log.info("tokenized the %s split into %s in %.1fs", split, local, time.perf_counter() - start)
     check_cache_record(local, record)
     if local != directory and not files.exists(published) and process_index == 0:
         for name in (*CACHE_FILES, SOURCE_FILE):

@@ -24,10 +24,10 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from absl import logging
 from etils import epath
 
 from transformer import files
+from transformer.console import log
 from transformer.errors import DataError
 
 # Examples are fetched from a TFDS data source in batches of this many keys:
@@ -115,7 +115,7 @@ def _align_lines(
         )
         raise DataError(f"empty parallel corpus {source_path!r} / {target_path!r}: {detail}")
     if num_skipped:
-        logging.info(
+        log.info(
             "Skipped %d of %d line pairs of %r / %r with an empty side.",
             num_skipped,
             num_lines,
@@ -257,7 +257,7 @@ def iter_tfds(
         )
         raise DataError(f"{where} is empty: {detail}")
     if num_skipped:
-        logging.info(
+        log.info(
             "Skipped %d of %d examples of %s with an empty side.", num_skipped, num_examples, where
         )
 
@@ -326,7 +326,7 @@ def _import_tfds() -> Any:
     except Exception as error:  # pylint: disable=broad-except
         # Not fatal: non-WMT datasets still work; a WMT name will then fail
         # with the unknown-dataset error, and this warning explains why.
-        logging.warning(
+        log.warning(
             "Could not import tensorflow_datasets.translate (%s); the WMT datasets "
             "will not be registered.",
             error,

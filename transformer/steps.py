@@ -89,7 +89,7 @@ def token_metrics(logits: jax.Array, batch: dict[str, jax.Array], label_smoothin
 def attention_pairs(batch: dict[str, jax.Array], config=None) -> dict[str, jax.Array]:
     """Query-key pairs that attend within a segment (packed rows count each sentence's own square), for the
     analytic model-FLOP count (transformer/throughput.py). Causal self-attention counts the full square, as the
-    peers' dense masked matrices do. Float sums, like the other SUM_KEYS. An encoder_only model's encoder pairs
+    dense masked matrices of the reference benchmarks (a PyTorch Marian model) do. Float sums, like the other SUM_KEYS. An encoder_only model's encoder pairs
     are those of the stream it reads (config.masked_side); decoder_only's joined stream is throughput's sum of
     the three."""
     source = batch.get("inputs_segmentation", (batch["inputs"] != 0).astype(jnp.int32))

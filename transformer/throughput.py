@@ -1,8 +1,8 @@
 """Model FLOPs (analytic) and peak FLOP/s of the devices, for the model-FLOPs utilization (MFU) in the logs
 and in scripts/benchmark.py.
 
-The count is the one of the peer reference's model_flops_per_step, so our MFU and the peers'
-mean the same thing. For one training step (backward = 2 x forward, hence the factors 6 and 12):
+The count is the one of the reference benchmarks' model_flops_per_step (a PyTorch Marian model at the same shapes,
+docs/benchmarks.md), so our MFU and theirs mean the same thing. For one training step (backward = 2 x forward, hence the factors 6 and 12):
 
   dense     = 6 x (matmul parameters x the tokens they see)
               encoder layer: 4 d^2 (q, k, v, o) + 2 d d_ff               on source tokens
@@ -86,8 +86,8 @@ def model_flops_of_shape(config: ModelConfig, batch: int, source_length: int, ta
 
 
 def measure_matmul_flops(size: int = 4096, repeats: int = 5, best: bool = False) -> float:
-    """The median (or best) FLOP/s of a jitted float32 size^3 matmul on the default device (the peers'
-    peak_matmul.py takes the median)."""
+    """The median (or best) FLOP/s of a jitted float32 size^3 matmul on the default device (the reference
+    benchmarks' peak_matmul.py takes the median)."""
     matmul = jax.jit(lambda a, b: a @ b)
     a = jax.random.normal(jax.random.PRNGKey(0), (size, size), np.float32)
     b = jax.random.normal(jax.random.PRNGKey(1), (size, size), np.float32)
