@@ -26,8 +26,8 @@ mkdir -p "$OUT"
 LOG="$OUT/gpu_checks.log"
 JSONL="$OUT/gpu_checks.jsonl"
 if [ -d .whl ] && ! python3 -c "import grain, ml_collections" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .whl/site .whl/*.whl \
+    && export PYTHONPATH=$PWD/.whl/site${PYTHONPATH:+:$PYTHONPATH} || exit 1
 fi
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
