@@ -22,4 +22,9 @@ def test_command_line_flags_fail_clearly_and_share_one_default_rule():
         with pytest.raises(ValueError, match=message):
             command_line_settings(saved, **{"step": None, "average_last": None, "best": False, **flags})
     with pytest.raises(ValueError, match="decode.temperature=1.0 samples one per sentence"):
-        command_line_settings({**saved, "temperature": 1.0}, step=None, average_last=None, best=False, nbest=2)
+        command_line_settings({**saved, "temperature": 1.0, "beam_size": 1}, step=None, average_last=None,
+                              best=False, nbest=1)
+    # Sampling and beam search are two searches: asking for both is refused, whichever side sets which.
+    with pytest.raises(ValueError, match="--temperature=1.0 samples one hypothesis per sentence; "
+                                         "decode.beam_size=4 asks for beam search"):
+        command_line_settings(saved, step=None, average_last=None, best=False, temperature=1.0)

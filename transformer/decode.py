@@ -100,6 +100,10 @@ class DecodeConfig:
                              f"decode.average_last={self.average_last} must be >= 0")
         if not 0.0 <= self.top_p <= 1.0:
             raise ValueError(f"decode.top_p={self.top_p} must be in [0, 1] (0 or 1: off)")
+        if self.temperature > 0 and self.beam_size > 1:  # sampling used to win silently over the beam
+            raise ValueError(f"decode.temperature={self.temperature} samples one hypothesis per sentence; "
+                             f"decode.beam_size={self.beam_size} asks for beam search: set one of them to "
+                             "its default (temperature 0 or beam_size 1)")
         if self.max_input_length < 0 or self.max_tokens_per_batch < 0:
             raise ValueError(f"decode.max_input_length={self.max_input_length} and decode.max_tokens_per_batch="
                              f"{self.max_tokens_per_batch} must be >= 0 (0: data.max_length, and no budget)")
@@ -421,14 +425,17 @@ class Search:
 def make_search(graphdef: nnx.GraphDef, *, max_extra_length: int, beam_size: int = 1, alpha: float = 0.0,
                 penalty: str = "gnmt", early_stopping: bool = True, temperature: float = 0.0, top_k: int = 0,
                 top_p: float = 0.0, seed: int = 0, cache_blocks: int = 0, scores: bool = False) -> Search:
-    """The `Search` of the settings: sampling when temperature > 0, else greedy search for beam_size 1, else beam
-    search (all beam_size finished hypotheses); the self-attention cache in `cache_blocks` blocks
+    """The `Search` of the settings: sampling when temperature > 0 (beam_size 1 only), else greedy search for
+    beam_size 1, else beam search (all beam_size finished hypotheses); the self-attention cache in `cache_blocks` blocks
     (Transformer.init_cache; 0: cache_blocks_for's choice). scores: greedy search and sampling also score their
     hypothesis (a logsumexp per step; beam search scores anyway)."""
     if beam_size < 1:
         raise ValueError(f"beam_size={beam_size} must be >= 1")
     if penalty not in PENALTIES:
         raise ValueError(f"length penalty {penalty!r} must be one of {PENALTIES}")
+    if temperature > 0.0 and beam_size > 1:
+        raise ValueError(f"temperature={temperature} samples one hypothesis; beam_size={beam_size} asks for beam "
+                         "search: choose one")
     sampling = temperature > 0.0 or beam_size == 1
     cache_blocks = cache_blocks_for(cache_blocks, 1 if sampling else beam_size)
     if sampling:

@@ -153,7 +153,7 @@ def decode_defaults() -> ml_collections.ConfigDict:
     decode.alpha = 0.6  # length penalty exponent of beam search (the paper's 0.6 with gnmt's form)
     decode.length_penalty = "gnmt"  # beam scores log P / lp: gnmt ((5 + length) / 6)^alpha | fairseq length^alpha
     decode.early_stopping = True  # a sentence stops once no live beam can beat its finished ones
-    decode.temperature = 0.0  # > 0: sample from softmax(logits / temperature) instead of searching (research use)
+    decode.temperature = 0.0  # > 0: sample from softmax(logits / temperature) instead of searching (research use; beam_size 1)
     decode.top_k = 0  # with temperature > 0: sample among the k most likely tokens only (0 = all)
     decode.top_p = 0.0  # with temperature > 0: nucleus sampling, the fewest top tokens holding p (0 or 1 = all)
     decode.average_last = 0  # the run's end, eval.py, translate average the last N checkpoints (0 or 1: none)
