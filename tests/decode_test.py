@@ -15,7 +15,7 @@ from transformer.decode import (NEG_INF, DecodeConfig, beam_search, budget_batch
 from transformer.model import ModelConfig, build as build_model
 from transformer.model.attention import blocked_attention, dot_product_attention, to_cache_layout, write_cache_rows
 from transformer.steps import shift_right
-from transformer.tokenizer import EOS_ID
+from transformer.tokenizer import EOS_ID, PAD_ID
 
 
 jitted_beam_search = jax.jit(beam_search, static_argnames=(
@@ -93,6 +93,41 @@ def test_greedy_output_is_the_argmax_of_the_teacher_forced_pass(model_and_search
         np.testing.assert_array_equal(argmax[:length - forced], tokens[:length - forced])
 
 
+def test_no_search_emits_the_pad_id_and_scores_stay_teacher_forcings(model_and_search):
+    """A model whose pad row of the shared embedding is scaled up prefers the pad id at many steps (the setup,
+    asserted); greedy search, beam search and sampling still never emit it before EOS (the tokenizer would drop
+    it: a lost position), greedy takes the argmax of the other tokens, and beam scores stay log P under the whole
+    vocabulary, as teacher forcing computes them."""
+    graphdef, params, search = model_and_search
+    params = jax.tree.map(lambda x: x, params)
+    table = params["source_embedder"]["embedding"]["embedding"]
+    params["source_embedder"]["embedding"]["embedding"] = table.at[0].multiply(8.0)
+    model_logits = jax.jit(lambda params, inputs, decoder_inputs: nnx.merge(graphdef, params)(inputs, decoder_inputs))
+    outputs = np.asarray(search(params, INPUTS))
+    pad_preferred = 0
+    for row in range(2):
+        tokens = outputs[row]
+        length = length_of(tokens)
+        assert EOS_ID in tokens and not (tokens[:length] == PAD_ID).any()
+        logits = np.asarray(model_logits(params, INPUTS[row:row + 1],
+                                         jnp.asarray(np.concatenate([[0], tokens[:length - 1]]))[None])[0])
+        pad_preferred += int(np.sum(np.argmax(logits[:length], axis=-1) == PAD_ID))
+        limit = int(np.sum(np.asarray(INPUTS[row]) != 0)) + 6
+        others = np.argmax(np.where(np.arange(logits.shape[-1]) == PAD_ID, -np.inf, logits), axis=-1)
+        forced = length == limit
+        np.testing.assert_array_equal(others[:length - forced], tokens[:length - forced])
+    assert pad_preferred >= 2  # the setup: unmasked, greedy search would have emitted the pad id
+    sequences, scores = jitted_beam_search(params, INPUTS, graphdef=graphdef, beam_size=4, alpha=0.0,
+                                           max_extra_length=6)
+    sampled = np.asarray(make_search(graphdef, max_extra_length=6, temperature=1.0, seed=0)(params, INPUTS))
+    for row in range(2):
+        for tokens in [*np.asarray(sequences[row]), sampled[row].reshape(-1, sampled.shape[-1])[0]]:
+            assert not (tokens[:length_of(tokens)] == PAD_ID).any()
+        log_probs = teacher_forced_log_probs(graphdef, params, jnp.repeat(INPUTS[row:row + 1], 4, axis=0),
+                                             sequences[row])
+        np.testing.assert_allclose(scores[row], log_probs, rtol=1e-5, atol=1e-5)
+
+
 def test_greedy_search_does_not_depend_on_batch_neighbours(model_and_search):
     _, params, search = model_and_search
     together = np.asarray(search(params, INPUTS))
@@ -116,23 +151,23 @@ def test_length_penalty_is_gnmt_formula_and_reorders_hypotheses():
     assert winner(0.0) == short and winner(0.28) == short and winner(0.31) == long and winner(0.6) == long
 
 
-# Exhaustive search: vocabulary {0, EOS, 2, 3}; a sentence of n tokens may produce n + 1 tokens, so the
-# longest output has 4 tokens and 27 prefixes of 3 non-EOS tokens: 27 beams keep every prefix alive, and beam
-# search must then return exactly the 27 best of all 40 complete outputs.
+# Exhaustive search: vocabulary {pad, EOS, 2, 3, 4}, pad never chosen; a sentence of n tokens may produce n + 1
+# tokens, so the longest output has 4 tokens and 27 prefixes of 3 other tokens: 27 beams keep every prefix alive,
+# and beam search must then return exactly the 27 best of all 40 complete outputs.
 TINY_INPUTS = jnp.array([[2, 1, 0], [3, 2, 1], [0, 0, 0]])
 TINY_BEAMS, TINY_EXTRA = 27, 1
 
 
-def all_outputs(limit, vocab_size=4):
-    """Every token sequence that ends with its first EOS within `limit` tokens, padded to limit."""
-    non_eos = [t for t in range(vocab_size) if t != EOS_ID]
+def all_outputs(limit, vocab_size=5):
+    """Every token sequence a search may emit that ends with its first EOS within `limit` tokens, padded to limit."""
+    non_eos = [t for t in range(vocab_size) if t not in (EOS_ID, PAD_ID)]
     return np.array([list(prefix) + [EOS_ID] + [0] * (limit - 1 - len(prefix))
                      for n in range(limit) for prefix in itertools.product(non_eos, repeat=n)], np.int32)
 
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    return build(4, 0)
+    return build(5, 0)
 
 
 @pytest.mark.parametrize("alpha, penalty", [pytest.param(0.0, "gnmt", marks=pytest.mark.slow), (0.6, "gnmt"),

@@ -168,11 +168,14 @@ def output_limits(inputs: jax.Array, max_extra_length: int) -> jax.Array:
     return jnp.where(lengths > 0, lengths + max_extra_length, 0)
 
 
-def only_eos_at_limit(logits: jax.Array, index: jax.Array, limits: jax.Array) -> jax.Array:
-    """At a row's last allowed position (index == limit - 1) every token but EOS is ruled out.
-    logits (or log-probabilities) [rows, vocab], limits [rows]."""
+def allowed_logits(logits: jax.Array, index: jax.Array, limits: jax.Array) -> jax.Array:
+    """The tokens a search may choose: never the pad id, which the tokenizer drops, so an output holding it would
+    lose a position silently (tensor2tensor and fairseq rule it out too), and at a row's last allowed position
+    (index == limit - 1) only EOS. logits [rows, vocab], limits [rows]. Only the choice is restricted: scores
+    stay log P under the whole vocabulary, as teacher forcing computes them."""
+    vocab = jnp.arange(logits.shape[-1])
     last = (index + 1 >= limits)[:, None]
-    return jnp.where(last & (jnp.arange(logits.shape[-1]) != EOS_ID), NEG_INF, logits)
+    return jnp.where((vocab == PAD_ID) | (last & (vocab != EOS_ID)), NEG_INF, logits)
 
 
 def cache_blocks_for(cache_blocks: int, beam_size: int) -> int:
@@ -250,7 +253,7 @@ def greedy_search(params: PyTree, inputs: jax.Array, streams: jax.Array | None =
         index, finished = carry["index"], carry["finished"]
         raw, cache = model.decode_step(carry["previous"][:, None], index, carry["cache"])
         raw = raw[:, 0]
-        logits = only_eos_at_limit(raw, index, limits)
+        logits = allowed_logits(raw, index, limits)
         token = jnp.where(finished, PAD_ID, choose(logits, index).astype(jnp.int32))
         log_prob = carry["log_prob"]
         if return_scores:  # normalised over the whole vocabulary, as beam search scores EOS at the limit
@@ -306,8 +309,9 @@ def _top_extensions(logits: jax.Array, live_scores: jax.Array, at_limit: jax.Arr
     """
     batch, beams, vocab = logits.shape
     per_beam = min(count, vocab)
-    top_logits, tokens = _top_k(logits, per_beam)  # [batch, beams, per_beam]
     log_norm = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    # The pad id is never chosen (allowed_logits), but stays in the normaliser: scores are teacher forcing's.
+    top_logits, tokens = _top_k(logits.at[..., PAD_ID].set(NEG_INF), per_beam)  # [batch, beams, per_beam]
     scores = top_logits - log_norm
     # At the limit: EOS at its real probability (as fairseq does), every other extension ruled out.
     eos_score = logits[..., EOS_ID:EOS_ID + 1] - log_norm
