@@ -23,8 +23,8 @@ jitted_beam_search = jax.jit(beam_search, static_argnames=(
 
 
 def build(vocab_size, seed, **shapes):
-    config = ModelConfig(vocab_size=vocab_size, emb_dim=32, num_heads=4, num_encoder_layers=1, num_decoder_layers=2,
-                         mlp_dim=64, **shapes)
+    config = ModelConfig(**{**dict(vocab_size=vocab_size, emb_dim=32, num_heads=4, num_encoder_layers=1,
+                                   num_decoder_layers=2, mlp_dim=64), **shapes})
     graphdef, params = nnx.split(build_model(config, rngs=nnx.Rngs(seed)))
     return graphdef, nnx.to_pure_dict(params)
 
@@ -417,6 +417,28 @@ def test_decode_settings_fail_clearly_naming_the_key():
 
 # ----------------------------------------------------------------------------------------------------
 # Bounded decoding: inputs cut to a bound, batches within a token budget
+
+
+@pytest.mark.parametrize("family", ["encoder_decoder", "decoder_only"])
+def test_outputs_end_within_a_learned_position_table(family):
+    """With a learned table of 12 positions a 7-token source may not produce 7 + 6 tokens: the decoder has no
+    trained row past the table (the embedding clamps to the last). Every search ends each output at the table
+    (the encoder-decoder: 12 target positions; decoder_only numbers the target on from its source: 12 - 7),
+    with EOS. The model's EOS column is zeroed, so it never ends sooner by itself (the setup, asserted by the
+    sinusoidal twin running to input + 6)."""
+    shapes = dict(family=family, num_encoder_layers=0) if family == "decoder_only" else {}
+    inputs = jnp.array([[4, 5, 6, 7, 8, 9, 1, 0]])
+    room = {"encoder_decoder": 12, "decoder_only": 12 - 7}[family]
+    for encoding, limit in (("learned", room), ("sinusoidal", 7 + 6)):
+        graphdef, params = build(20, 1, positional_encoding=encoding, max_length=12, tie_output_embedding=False,
+                                 share_embeddings=True, **shapes)
+        params["output_projection"]["kernel"] = params["output_projection"]["kernel"].at[:, EOS_ID].set(0.0)
+        greedy = np.asarray(make_search(graphdef, max_extra_length=6)(params, inputs))[0]
+        sequences, _ = jitted_beam_search(params, inputs, graphdef=graphdef, beam_size=3, alpha=0.6,
+                                          max_extra_length=6)
+        sampled = np.asarray(make_search(graphdef, max_extra_length=6, temperature=1.0)(params, inputs))[0]
+        for tokens in (greedy, *np.asarray(sequences[0]), sampled):
+            assert length_of(tokens) == limit and tokens[limit - 1] == EOS_ID, (encoding, tokens)
 
 
 def test_the_input_bound_is_the_training_length_capped_by_a_learned_position_table():

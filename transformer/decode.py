@@ -13,8 +13,10 @@ Every search is a pure function of (params, inputs), compiled once per input sha
     (`cache_blocks_for`).
 
 Lengths (the paper's "maximum output length input length + 50"): sentence i may produce up to
-`limit_i = (its real input length, EOS included) + max_extra_length` tokens, its EOS included; at position
-limit_i - 1 only EOS may be produced, so every hypothesis ends with EOS. The static buffer is the padded
+`limit_i = (its real input length, EOS included) + max_extra_length` tokens, its EOS included, and with learned
+positions no more than the decoder's table holds (as fairseq caps at max_decoder_positions; a decoder-only model
+numbers the target on from its source, so the room is the table less the source); at position limit_i - 1 only
+EOS may be produced, so every hypothesis ends with EOS. The static buffer is the padded
 input length + max_extra_length; rows of all padding produce nothing.
 
 Beam search follows tensor2tensor / GNMT: scores are log-probabilities divided by a length penalty lp (GNMT's
@@ -54,6 +56,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from transformer import config_files, data, sharding
 from transformer.console import log
+from transformer.model.config import ModelConfig
 from transformer.tokenizer import EOS_ID, PAD_ID, Tokenizer
 
 PyTree = Any
@@ -161,11 +164,15 @@ def length_penalty(length: jax.Array, alpha: float, kind: str = "gnmt") -> jax.A
     return (length if kind == "fairseq" else (5.0 + length) / 6.0) ** alpha
 
 
-def output_limits(inputs: jax.Array, max_extra_length: int) -> jax.Array:
-    """[batch] the most tokens (EOS included) each sentence may produce: its real length + max_extra_length;
-    0 for a row of padding only."""
+def output_limits(inputs: jax.Array, max_extra_length: int, config: ModelConfig | None = None) -> jax.Array:
+    """[batch] the most tokens (EOS included) each sentence may produce: its real length + max_extra_length,
+    within a learned position table when the model config has one (a position past it has no trained row: the
+    embedding would repeat the last); 0 for a row of padding only."""
     lengths = jnp.sum(inputs != PAD_ID, axis=1).astype(jnp.int32)
-    return jnp.where(lengths > 0, lengths + max_extra_length, 0)
+    limits = lengths + max_extra_length
+    if config is not None and config.positional_encoding == "learned":
+        limits = jnp.minimum(limits, config.max_length - (lengths if config.joins_pair else 0))
+    return jnp.where(lengths > 0, limits, 0)
 
 
 def allowed_logits(logits: jax.Array, index: jax.Array, limits: jax.Array) -> jax.Array:
@@ -236,7 +243,7 @@ def greedy_search(params: PyTree, inputs: jax.Array, streams: jax.Array | None =
     model = nnx.merge(graphdef, params)
     batch, max_decode_length = inputs.shape[0], inputs.shape[1] + max_extra_length
     cache_blocks = cache_blocks_for(cache_blocks, 1)
-    limits = output_limits(inputs, max_extra_length)
+    limits = output_limits(inputs, max_extra_length, model.config)
     cache = model.init_cache(model.encode(inputs), inputs, max_decode_length, blocks=cache_blocks)
     keys = row_keys(seed, default_streams(batch) if streams is None else streams) if temperature > 0 else None
 
@@ -351,7 +358,7 @@ def beam_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, be
     """
     model = nnx.merge(graphdef, params)
     beams, max_decode_length = beam_size, inputs.shape[1] + max_extra_length
-    limits = output_limits(inputs, max_extra_length)
+    limits = output_limits(inputs, max_extra_length, model.config)
     cache = model.init_cache(model.encode(inputs), inputs, max_decode_length, hypotheses=beams,
                              blocks=cache_blocks_for(cache_blocks, beams))
 

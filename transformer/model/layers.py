@@ -38,7 +38,8 @@ class Embedder(nnx.Module):
         x = self.embedding(tokens) * math.sqrt(self.config.emb_dim)
         if self.config.positional_encoding == "learned":
             # Clamped: jnp.take would return NaN past the table, and padding positions of a long decode batch
-            # can pass it. Real tokens never do: Settings and decode.translate keep inputs within max_length.
+            # can pass it. Real tokens never do: Settings and the input bound keep sources within the table, and
+            # decode.output_limits ends every output within it.
             x = x + self.position_embedding(jnp.minimum(positions, self.config.max_length - 1))
         else:
             x = x + sinusoidal_positions(positions, self.config.emb_dim)
