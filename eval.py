@@ -16,11 +16,13 @@ perplexity instead, over the tokens its run's evaluation masked, to scores.<spli
 Every decoding flag left unset takes the workdir config's decode value, as in `python -m transformer.translate`.
 Decoding splits each batch over every device (transformer/decode.py). Each evaluation writes its own files under
 workdir/eval/, named by what it decoded, the model and the search: `<split>.<model>.<search>.txt` and
-`scores.<splits or input file>.<model>.<search>.json` (e.g. scores.valid+test.step750.greedy-extra50.json), each
+`scores.<splits or input file>.<model>.<search>.json` (e.g. scores.valid+test.step750.greedy-extra50.json; an
+--input file's name is followed by a hash of its absolute path, `src.txt-1a2b3c4d`, so no two inputs collide), each
 written whole or not at all; it reads only committed checkpoints, so it can run beside train.py on the same
 workdir. Exit status: 0 done, 1 an error printed as `error: <message>` (--traceback for its traceback).
 """
 
+import hashlib
 import json
 import os
 
@@ -47,10 +49,12 @@ FLAGS = flags.FLAGS
 
 
 def read_lines(path: str) -> list[str]:
-    """Every line (empty ones too, so the output stays line-aligned with the input)."""
+    """Every line as training reads its text (sources.decode_lines: BOM and CR dropped, invalid UTF-8 named by
+    file and line), empty ones too, so the output stays line-aligned with the input."""
     try:
-        return [line.strip() for line in files.read_text(path).splitlines()]
-    except (OSError, UnicodeDecodeError) as error:
+        with files.open_file(path, "rb") as file:
+            return list(sources.decode_lines(path, file))
+    except OSError as error:
         raise sources.DataError(f"cannot read {path}: {error}") from error
 
 
@@ -144,12 +148,17 @@ def main(argv):
     results = []
     if FLAGS.input:
         source_sentences, references = read_lines(FLAGS.input), None
+        if not source_sentences:
+            raise sources.DataError(f"--input={FLAGS.input} is empty: no sentence to translate")
         if FLAGS.reference:
             references = read_lines(FLAGS.reference)
             if len(references) != len(source_sentences):
                 raise sources.DataError(f"{len(source_sentences)} lines in --input={FLAGS.input} but "
                                         f"{len(references)} lines in --reference={FLAGS.reference}")
-        evaluated = os.path.basename(FLAGS.input)
+        # The basename and a hash of the absolute path: two inputs called test.en in different folders, or one
+        # called like a split, never write over each other's translations and scores.
+        where = hashlib.sha1(files.absolute(FLAGS.input).encode()).hexdigest()[:8]
+        evaluated = f"{os.path.basename(FLAGS.input)}-{where}"
         output = FLAGS.output or os.path.join(out_dir, f"{evaluated}.{tag}.txt")
         results.append(evaluate(restored, evaluator, FLAGS.input, source_sentences, references, output, FLAGS.nbest))
     else:

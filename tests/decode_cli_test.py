@@ -24,6 +24,12 @@ LINES = ["The black cat sleeps in the garden.", "", "Two wolves are sad.", "The 
 FLAGS = ["--nbest=2", "--beam_size=2", "--length_penalty=fairseq", "--alpha=1.0", "--max_extra_length=2"]
 
 
+def eval_file(workdir, pattern):
+    """The one file of workdir/eval/ matching pattern ("*": an --input file's path hash)."""
+    [path] = (workdir / "eval").glob(pattern)
+    return path
+
+
 def run(*command, stdin=None):
     return subprocess.run([sys.executable, *command], input=stdin, capture_output=True, text=True, cwd=ROOT,
                           timeout=600)
@@ -46,7 +52,7 @@ def test_eval_and_translate_write_the_same_nbest_list_with_the_config_defaults(w
     source = workdir.parent / "in.txt"
     result = run("eval.py", f"--workdir={workdir}", f"--input={source}", f"--output={tmp_path / 'hyp.txt'}", *FLAGS)
     assert result.returncode == 0, result.stderr[-3000:]
-    [scores] = json.loads((workdir / "eval" / "scores.in.txt.avg2_step6.beam2-fairseq1-extra2.json").read_text())
+    [scores] = json.loads(eval_file(workdir, "scores.in.txt-*.avg2_step6.beam2-fairseq1-extra2.json").read_text())
     assert (scores["averaged_steps"], scores["batch_size"], scores["beam_size"]) == ([3, 6], 5, 2)
     assert (scores["length_penalty"], scores["alpha"], scores["max_extra_length"]) == ("fairseq", 1.0, 2)
     assert scores["nbest_output"] == str(tmp_path / "hyp.nbest2.txt")
@@ -110,9 +116,9 @@ def test_evaluations_beside_a_save_in_flight_keep_their_own_results_and_count_th
         result = run("eval.py", f"--workdir={workdir}", f"--input={long}")
         assert result.returncode == 0, result.stderr[-3000:]
         assert f"{long}: 1 of 3 source sentence(s) longer than 48 tokens cut to their first 47 and EOS" in result.stderr
-        [cut] = json.loads((workdir / "eval" / "scores.long.txt.avg2_step6.greedy-extra4.json").read_text())
+        [cut] = json.loads(eval_file(workdir, "scores.long.txt-*.avg2_step6.greedy-extra4.json").read_text())
         assert (cut["step"], cut["inputs_cut"], cut["max_input_length"], cut["sentences"]) == (6, 1, 48, 3)
-        assert len((workdir / "eval" / "long.txt.avg2_step6.greedy-extra4.txt").read_text().splitlines()) == 3
+        assert len(eval_file(workdir, "long.txt-*.avg2_step6.greedy-extra4.txt").read_text().splitlines()) == 3
         result = run("eval.py", f"--workdir={workdir}", "--split=valid", "--beam_size=2")
         assert result.returncode == 0, result.stderr[-3000:]
         [valid] = json.loads((workdir / "eval" / "scores.valid.avg2_step6.beam2-gnmt0.6-extra4.json").read_text())
@@ -124,8 +130,58 @@ def test_evaluations_beside_a_save_in_flight_keep_their_own_results_and_count_th
         assert {key: valid[key] for key in rescored} == pytest.approx(rescored)
         assert f"valid BLEU {valid['bleu']:.2f}  {valid['signature']}" in result.stdout
         assert valid["sentences"] == len(sources)  # the cut ones are scored too
-        assert json.loads((workdir / "eval" / "scores.long.txt.avg2_step6.greedy-extra4.json").read_text()) == [cut]
+        assert json.loads(eval_file(workdir, "scores.long.txt-*.avg2_step6.greedy-extra4.json").read_text()) == [cut]
         assert not [name for name in os.listdir(workdir / "eval") if ".tmp" in name]  # only whole files remain
         assert digest_outside_eval(workdir) == before
     finally:
         shutil.rmtree(in_flight)
+
+
+def test_eval_reads_files_as_training_does_and_inputs_of_one_name_keep_their_own_results(workdir, tmp_path):
+    """Sources and references with a byte order mark and CR line ends score as plain ones do (as training reads
+    its text; the tiny model's translations are empty, so the references' length shows it: a kept mark would
+    make the empty first reference a one-token line); the two inputs share a name in different folders and
+    each keeps its own files; invalid UTF-8 is named by file and line, an empty input by name, neither with a
+    traceback."""
+    shutil.rmtree(workdir / "eval", ignore_errors=True)
+    plain = lambda lines: "\n".join(lines).encode() + b"\n"
+    marked = lambda lines: b"\xef\xbb\xbf" + "\r\n".join(lines).encode() + b"\r\n"
+    references = ["", "El gato negro duerme en el jardín.", "Dos lobos están tristes."]
+    scores = []
+    for folder, encode in (("plain", plain), ("marked", marked)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "test").write_bytes(encode(LINES[:3]))
+        (tmp_path / folder / "ref.txt").write_bytes(encode(references))
+        result = run("eval.py", f"--workdir={workdir}", f"--input={tmp_path / folder / 'test'}",
+                     f"--reference={tmp_path / folder / 'ref.txt'}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        [score] = json.loads(open(result.stdout.split("wrote ")[-1].strip()).read())  # the scores it wrote
+        scores.append(score)
+    assert scores[0]["output"] != scores[1]["output"]  # one name, two folders: two files
+    assert [open(score["output"]).read() for score in scores] == [open(scores[0]["output"]).read()] * 2
+    assert scores[0]["reference_length"] == scores[1]["reference_length"] == 13
+    assert len(list((workdir / "eval").glob("scores.test-*.json"))) == 2
+    (tmp_path / "bad.txt").write_bytes(b"The cat sleeps.\ncaf\xe9\n")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    for name, message in (("bad.txt", f"{tmp_path / 'bad.txt'}:2: invalid UTF-8"),
+                          ("empty.txt", f"--input={tmp_path / 'empty.txt'} is empty")):
+        result = run("eval.py", f"--workdir={workdir}", f"--input={tmp_path / name}")
+        assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr, \
+            result.stderr[-2000:]
+
+
+def test_translate_gives_n_lines_for_n_lines_of_stdin_whatever_their_bytes(workdir, tmp_path):
+    """Invalid UTF-8 on stdin is replaced and counted on stderr, a byte order mark dropped; stdout holds exactly one
+    translation per input line; a file's invalid UTF-8 names its line."""
+    lines = [b"\xef\xbb\xbf" + LINES[0].encode(), b"", b"Two wolves are \xff sad.", LINES[3].encode() + b"\r",
+             " ".join([LINES[4]] * 12).encode()]  # the last one past the run's max_length
+    command = [sys.executable, "-m", "transformer.translate", f"--workdir={workdir}"]
+    result = subprocess.run(command, input=b"\n".join(lines) + b"\n", capture_output=True, cwd=ROOT, timeout=600)
+    stderr = result.stderr.decode(errors="replace")
+    assert result.returncode == 0, stderr[-3000:]
+    out = result.stdout.decode().split("\n")
+    assert len(out) == len(lines) + 1 and out[-1] == "" and out[1] == ""  # N lines, each ended by a newline
+    assert "stdin: 1 line(s) held invalid UTF-8" in stderr and "line(s) 3" in stderr
+    (tmp_path / "bad.txt").write_bytes(b"The cat.\n\xff\n")
+    result = run("-m", "transformer.translate", f"--workdir={workdir}", f"--input={tmp_path / 'bad.txt'}")
+    assert result.returncode != 0 and f"{tmp_path / 'bad.txt'}:2: invalid UTF-8" in result.stderr, result.stderr[-2000:]

@@ -8,6 +8,7 @@ locally in array_record format for the real (bytes) read path.
 from __future__ import annotations
 
 import gzip
+import io
 import os
 import pathlib
 import subprocess
@@ -374,3 +375,16 @@ def test_tfds_fingerprint_names_the_prepared_version_and_split(tiny_data_dir):
 def test_tfds_fingerprint_of_an_unprepared_dataset_fails_like_reading_it(tfds, tmp_path):
     with pytest.raises(DataError, match="not prepared"):
         sources.tfds_fingerprint(WMT14, "train", data_dir=str(tmp_path))
+
+
+def test_decode_lines_reads_text_as_training_does_and_replaces_invalid_bytes_only_when_asked():
+    """The one reading of text that training, eval.py and translate share: a byte order mark and CR dropped,
+    lines split at newlines only (a form feed or U+2028 stays inside its line), empty lines kept; invalid UTF-8
+    names the file and line, or, with `replaced`, becomes U+FFFD and its line is counted."""
+    raw = b"\xef\xbb\xbfone\r\n\r\ntwo\x0cthree \xe2\x80\xa8 four\n caf\xe9 \nlast"
+    with pytest.raises(DataError, match=r"^in\.txt:4: invalid UTF-8"):
+        list(sources.decode_lines("in.txt", io.BytesIO(raw)))
+    replaced = []
+    assert list(sources.decode_lines("stdin", io.BytesIO(raw), replaced)) == [
+        "one", "", "two\x0cthree \u2028 four", "caf\ufffd", "last"]
+    assert replaced == [4]

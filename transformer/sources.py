@@ -73,8 +73,8 @@ def iter_text_pair(
         # unreadable file is reported before any content error.
         source_file = open_files.enter_context(_open_binary(source_path))
         target_file = open_files.enter_context(_open_binary(target_path))
-        source_lines = _decode_lines(source_path, source_file)
-        target_lines = _decode_lines(target_path, target_file)
+        source_lines = decode_lines(source_path, source_file)
+        target_lines = decode_lines(target_path, target_file)
         yield from _align_lines(source_path, source_lines, target_path, target_lines)
 
 
@@ -174,11 +174,15 @@ class _GzipClosing(gzip.GzipFile):
                 stream.close()
 
 
-def _decode_lines(path: str, file: Any) -> Iterator[str]:
-    """Yields the decoded, stripped lines of an open binary `file` at `path`.
+def decode_lines(path: str, file: Any, replaced: list[int] | None = None) -> Iterator[str]:
+    """Yields the decoded, stripped lines of an open binary `file` at `path`: the one reading of text that
+    training, eval.py and translate share (a byte order mark, CR and surrounding whitespace dropped; lines split
+    at newlines only; empty lines kept).
 
     Every decoding and I/O failure becomes a DataError naming the file (and
-    the 1-based line number for invalid UTF-8).
+    the 1-based line number for invalid UTF-8); with `replaced` (a stream, where
+    stopping would lose the lines before), invalid bytes become U+FFFD instead
+    and the line numbers are appended to it.
     """
     line_number = 0
     try:
@@ -189,6 +193,10 @@ def _decode_lines(path: str, file: Any) -> Iterator[str]:
             try:
                 line = raw_line.decode(encoding)
             except UnicodeDecodeError as error:
+                if replaced is not None:
+                    replaced.append(line_number)
+                    yield raw_line.decode(encoding, errors="replace").strip()
+                    continue
                 raise DataError(
                     f"{path}:{line_number}: invalid UTF-8 ({error.reason} at byte "
                     f"{error.start} of the line: {raw_line[error.start:error.start + 8]!r})"

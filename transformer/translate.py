@@ -5,7 +5,9 @@ are read from stdin (or --input), translated in batches of --batch_size lines, a
     python -m transformer.translate --workdir=runs/base --average_last=5 --input=src.en --output=hyp.de
     python -m transformer.translate --workdir=runs/base --nbest=4 --input=src.en --output=hyp.nbest
 
-An empty line gives an empty line. An input longer than the bound (the run's data.max_length, capped by a
+An empty line gives an empty line, and N lines in give N lines out. Text is read as training reads it (a byte
+order mark and CR dropped); invalid UTF-8 in --input is an error naming its line, and on stdin it is replaced with
+U+FFFD and its lines counted in a warning, so no valid line is lost. An input longer than the bound (the run's data.max_length, capped by a
 learned-position table; decode.max_input_length sets another) is cut to it, keeping its EOS, and one warning at
 the end names the lines cut; batches hold at most decode.max_tokens_per_batch lines x padded length. Output lines stay aligned with input lines (with --nbest,
 each hypothesis is a line of Moses' n-best format, `index ||| translation ||| LogProb= log P ||| score`, the
@@ -18,14 +20,14 @@ from __future__ import annotations
 
 import itertools
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TextIO
 
 from absl import app, flags
 
 import jax
 
-from transformer import cli, console, decode, errors, files, sharding
+from transformer import cli, console, decode, errors, files, sharding, sources
 from transformer.restore import Restored, workdir_family
 
 cli.define_command_line_flags("lines")
@@ -41,14 +43,20 @@ flags.adopt_module_key_flags(sharding)
 FLAGS = flags.FLAGS
 
 
-def chunks(lines: TextIO, size: int) -> Iterator[list[str]]:
-    while chunk := [line.rstrip("\n") for line in itertools.islice(lines, size)]:
+def chunks(lines: Iterable[str], size: int) -> Iterator[list[str]]:
+    lines = iter(lines)
+    while chunk := list(itertools.islice(lines, size)):
         yield chunk
 
 
-def translate_stream(restored: Restored, lines: TextIO, out: TextIO, batch_size: int, nbest: int = 0,
+def one_line(text: str) -> str:
+    """A translation as one output line: a newline the vocabulary can spell would break N lines in, N out."""
+    return " ".join(text.splitlines()) if "\n" in text or "\r" in text else text
+
+
+def translate_stream(restored: Restored, lines: Iterable[str], out: TextIO, batch_size: int, nbest: int = 0,
                      name: str = "stdin") -> int:
-    """Translate every line of `lines` into `out`, a batch at a time (batch_size rounded up to whole rows per
+    """Translate every line of `lines` (sources.decode_lines' text) into `out`, a batch at a time (batch_size rounded up to whole rows per
     device); with nbest, write each line's n-best list instead. Inputs longer than the bound are cut, with one
     warning at the end naming `name` and the lines. Returns the number of lines."""
     settings = restored.settings.decode
@@ -63,7 +71,7 @@ def translate_stream(restored: Restored, lines: TextIO, out: TextIO, batch_size:
         if nbest:
             written = decode.nbest_lines(decoded.nbest(nbest), restored.tokenizer, first_index=count)
         else:
-            written = decoded.translations(restored.tokenizer)
+            written = [one_line(text) for text in decoded.translations(restored.tokenizer)]
         if jax.process_index() == 0:  # every process holds every translation
             out.writelines(line + "\n" for line in written)
             out.flush()
@@ -87,15 +95,23 @@ def main(argv):
         restored = cli.restore_for_command_line(
             FLAGS.workdir, FLAGS.step, average_last=FLAGS.average_last, best=FLAGS.best, nbest=FLAGS.nbest,
             **{name: FLAGS[name].value for name in cli.COMMAND_LINE_OVERRIDES})
-    source = files.open_file(FLAGS.input) if FLAGS.input else sys.stdin
+    # Read as bytes and decoded as training reads text: a file's invalid UTF-8 is an error naming its line; on
+    # stdin, where stopping would lose the lines already read, it is replaced (U+FFFD) and counted.
+    source = files.open_file(FLAGS.input, "rb") if FLAGS.input else sys.stdin.buffer
+    replaced: list[int] | None = None if FLAGS.input else []
     out = files.open_file(FLAGS.output, "w") if FLAGS.output and jax.process_index() == 0 else sys.stdout
     try:
-        translate_stream(restored, source, out, restored.settings.decode.batch_size, FLAGS.nbest,
-                         FLAGS.input or "stdin")
+        name = FLAGS.input or "stdin"
+        translate_stream(restored, sources.decode_lines(name, source, replaced), out,
+                         restored.settings.decode.batch_size, FLAGS.nbest, name)
     finally:
         for handle in (source, out):
-            if handle not in (sys.stdin, sys.stdout):
+            if handle not in (sys.stdin.buffer, sys.stdout):
                 handle.close()
+    if replaced:
+        shown = ", ".join(map(str, replaced[:10])) + (", ..." if len(replaced) > 10 else "")
+        console.log.warning("stdin: %d line(s) held invalid UTF-8, translated with U+FFFD in its place: line(s) %s",
+                            len(replaced), shown)
 
 
 if __name__ == "__main__":
