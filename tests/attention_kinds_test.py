@@ -317,6 +317,28 @@ def test_performer_keeps_large_keys_finite_and_exact(causal):
         assert all(bool(jnp.isfinite(g).all()) for g in gradients), scale
 
 
+@pytest.mark.parametrize("scale", [1.5, 4.0])
+def test_causal_performer_is_exact_when_keys_jump_inside_a_block(scale):
+    """The finiteness test's operands at its scales, and one key inside the first 64-position block made far
+    larger in one feature (its exponent rises by more than the cap of 60 within the block), and one in the second
+    block, which also reads the first's sums: the causal sums still equal the float64 estimate at every query,
+    before and after the jumps, and their gradients stay finite."""
+    query, key, value = operands(5, (2, 96, 2, 16))
+    features, segmentation = random_features(jax.random.key(1), 64, 16), jnp.ones((2, 96), int)
+    query, key = query * 6 * scale, key * 6 * scale * jnp.linspace(1, 1.5, 96)[None, :, None, None]
+    widest = int(jnp.argmax(jnp.linalg.norm(features, axis=-1)))  # key 20 along a feature: its exponent |w|^2 / 2
+    key = key.at[:, (20, 80)].set(features[widest] * 16 ** 0.25)  # in the first block, and in the second
+    exponents = np.asarray(key_exponents(key, features, segmentation))
+    assert (exponents[:, 20] - exponents[:, :20].max(axis=1)).max() > 60  # the setup: a jump past the cap
+    mask = SelfMask(segmentation, causal=True)
+    got = np.asarray(jax.jit(performer_attention)(query, key, value, mask, features))
+    np.testing.assert_allclose(got, performer_estimate(query, key, value, segmentation, features, True),
+                               atol=1e-4)
+    gradients = jax.jit(jax.grad(lambda q, k: jnp.sum(performer_attention(q, k, value, mask, features) ** 2),
+                                 (0, 1)))(query, key)
+    assert all(bool(jnp.isfinite(g).all()) and bool(jnp.any(g != 0)) for g in gradients)
+
+
 def test_random_features_are_orthogonal_within_a_block():
     features = random_features(jax.random.key(0), 20, 8)  # blocks of 8, 8 and 4 rows
     directions = features / jnp.linalg.norm(features, axis=-1, keepdims=True)

@@ -27,6 +27,8 @@ PERFORMER_BLOCK = 64
 PERFORMER_FLOOR = 1e-6
 # The largest query feature exp(60), where causal_sums reads its own block's keys at a shift past the query's.
 PERFORMER_CAP = 60.0
+# The largest query factor causal_sums' fast own-block product may meet; past it the block is summed exactly.
+PERFORMER_EXACT = 30.0
 
 
 def random_features(key: Array, count: int, dim: int) -> Array:
@@ -145,13 +147,46 @@ def causal_sums(queries: Array, exponents: Array, values: Array, block: int = PE
                                                       jnp.sum(keys, axis=2)), axis=1)
     state = jnp.pad(state, [(0, 0), (1, 0), (0, 0), (0, 0), (0, 0)])[:, :-1]  # the blocks before, at `earlier`
     total = jnp.pad(total, [(0, 0), (1, 0), (0, 0), (0, 0)])[:, :-1]
-    within = (jnp.einsum("bcqhm,bckhm->bchqk", query_features(queries, last, seen), keys) * jnp.tri(size))
+    # Fast: one (block x block) product at the block's last shift, exact while no query's factor there exceeds
+    # exp(PERFORMER_EXACT) (then keys that underflow weigh under exp(-57) of the query's largest term). Past it
+    # (keys jumping inside a block), the exact pairwise sums in the log domain, whose terms are all <= 1.
+    own = jax.lax.stop_gradient(jnp.max(queries + seen, axis=-1, keepdims=True))
+    fast = jnp.max(jax.lax.stop_gradient(queries) + last - own) <= PERFORMER_EXACT
+    within = jax.lax.cond(
+        fast, lambda: jnp.einsum("bcqhm,bckhm->bchqk", query_features(queries, last, seen), keys) * jnp.tri(size),
+        lambda: exact_within(queries, exponents, own) / queries.shape[-1])  # phi(q), phi(k) each carry m^-1/2
     before = query_features(queries, earlier, seen)
     numerator = (jnp.einsum("bchqk,bckhd->bcqhd", within, values)
                  + jnp.einsum("bcqhm,bchmd->bcqhd", before, state))
     normalizer = jnp.swapaxes(jnp.sum(within, axis=-1), 2, 3) + jnp.einsum("bcqhm,bchm->bcqh", before, total)
     return (numerator.reshape(batch, count * size, heads, -1)[:, :length],
             normalizer.reshape(batch, count * size, heads)[:, :length])
+
+
+def exact_within(queries: Array, exponents: Array, own: Array, chunk: int = 16) -> Array:
+    """causal_sums' own-block products sum_m exp(q_m + k_m - own) for keys k <= query q, of blocked query and key
+    exponents [batch, count, size, heads, m] and each query's largest term `own` [..., 1]: [batch, count, heads,
+    size, size]. Every term is <= 1 and exact, whatever the keys' range; the cost is size^2 x m per block, so it is
+    computed a block and `chunk` features at a time, recomputed in the backward pass."""
+    size, features = queries.shape[2], queries.shape[-1]
+    pad = -features % chunk
+    causal = jnp.tri(size, dtype=bool)[:, :, None, None]  # [q, k, 1, 1]
+
+    def split(x, fill):  # [b, c, s, h, m] -> [m / chunk, c, b, s, h, chunk]
+        x = jnp.pad(x, [(0, 0)] * 4 + [(0, pad)], constant_values=fill)
+        return jnp.moveaxis(x.reshape(*x.shape[:-1], -1, chunk), (-2, 1), (0, 1))
+
+    @jax.checkpoint
+    def add(total, parts):  # total [c, b, q, k, h]
+        q, k, o = parts
+        logits = q[:, :, :, None] + k[:, :, None] - o[:, :, :, None]  # [c, b, q, k, h, chunk]
+        return total + jnp.sum(jnp.exp(jnp.where(causal, logits, -jnp.inf)), axis=-1), None
+
+    q, k = split(queries, 0.0), split(exponents, -jnp.inf)
+    o = jnp.broadcast_to(jnp.swapaxes(own, 0, 1)[None], (q.shape[0], *own.swapaxes(0, 1).shape[:-1], 1))
+    count, batch, heads = queries.shape[1], queries.shape[0], queries.shape[3]
+    total, _ = jax.lax.scan(add, jnp.zeros((count, batch, size, size, heads), jnp.float32), (q, k, o))
+    return jnp.transpose(total, (1, 0, 4, 2, 3))  # [b, c, h, q, k]
 
 
 class PerformerAttention(MultiHeadAttention):
