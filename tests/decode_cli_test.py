@@ -185,3 +185,18 @@ def test_translate_gives_n_lines_for_n_lines_of_stdin_whatever_their_bytes(workd
     (tmp_path / "bad.txt").write_bytes(b"The cat.\n\xff\n")
     result = run("-m", "transformer.translate", f"--workdir={workdir}", f"--input={tmp_path / 'bad.txt'}")
     assert result.returncode != 0 and f"{tmp_path / 'bad.txt'}:2: invalid UTF-8" in result.stderr, result.stderr[-2000:]
+
+
+def test_translate_ends_quietly_when_its_reader_leaves(workdir):
+    """`translate | head -1`: stdout's reader gone (here, before the first line), translate ends at its next write
+    with a shell's status for SIGPIPE, 141, and no traceback."""
+    read, write = os.pipe()
+    os.close(read)  # the reader left: every write to the pipe fails
+    try:
+        result = subprocess.run([sys.executable, "-m", "transformer.translate", f"--workdir={workdir}"],
+                                input=("\n".join(LINES) + "\n").encode(), stdout=write, stderr=subprocess.PIPE,
+                                cwd=ROOT, timeout=600)
+    finally:
+        os.close(write)
+    stderr = result.stderr.decode(errors="replace")
+    assert result.returncode == 141 and "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-3000:]

@@ -90,11 +90,14 @@ def test_messages_report_the_projects_errors_and_let_bugs_and_exits_through(caps
         raise DataError("valid.en line 3: invalid UTF-8")
     assert exit_info.value.code == errors.EXIT_ERROR == 1
     assert capsys.readouterr().err == "error: valid.en line 3: invalid UTF-8\n"
-    for passing in (SystemExit(75), KeyboardInterrupt(), KeyError("a bug"), ValueError("a bug too")):
+    for passing in (SystemExit(75), KeyError("a bug"), ValueError("a bug too")):
         with pytest.raises(type(passing)) as raised, errors.messages():
             raise passing
         assert raised.value is passing
     assert capsys.readouterr().err == ""
+    with pytest.raises(SystemExit) as exit_info, errors.messages():  # a Ctrl-C: one line, a shell's status
+        raise KeyboardInterrupt()
+    assert exit_info.value.code == 130 and capsys.readouterr().err == "interrupted\n"
 
 
 def test_as_config_error_makes_a_plain_value_error_a_config_error_and_keeps_the_projects_kinds():

@@ -2,6 +2,7 @@
 status 75; the same command resumes, and the run ends bitwise equal to an uninterrupted one. With several processes
 JAX's preemption notice stops every host at the same step. The fault drill (slow) mixes SIGTERM, SIGINT and SIGKILL."""
 
+import json
 import os
 import re
 import signal
@@ -12,7 +13,7 @@ import time
 import jax
 import pytest
 from multiprocess_test import free_port
-from tiny import TINY_OVERRIDES, make_tiny_config
+from tiny import TINY_OVERRIDES, make_tiny_config, metric_records
 
 from transformer import loop, trainer
 from transformer.restore import restore
@@ -39,7 +40,8 @@ def wait_for_step(log_path, process, step=1, timeout=300):
 
 
 def committed(workdir):
-    return sorted(int(name) for name in os.listdir(os.path.join(workdir, "checkpoints")) if name.isdigit())
+    directory = os.path.join(workdir, "checkpoints")
+    return sorted(int(name) for name in os.listdir(directory) if name.isdigit()) if os.path.isdir(directory) else []
 
 
 def final_params(workdir):
@@ -101,3 +103,66 @@ def test_the_fault_drill_loses_nothing_and_ends_bitwise_equal(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert last == ("fault drill: 3 interruptions (1 SIGTERM, 1 SIGINT, 1 SIGKILL), 3 resumes, 0 checkpoints lost, "
                     "0 steps lost to SIGTERM/SIGINT, final parameters bitwise equal: yes"), last
+
+
+# train.py, with one function of the run replaced by one that first sends this process a signal: a stop at a
+# known point outside the loop. argv: module:attribute to replace, the signal's name, then train.py's flags.
+SIGNALLED_TRAIN = """
+import importlib, os, runpy, signal, sys
+module, _, attribute = sys.argv[1].partition(":")
+owner = importlib.import_module(module)
+*path, name = attribute.split(".")
+for part in path:
+    owner = getattr(owner, part)
+original, signum = getattr(owner, name), getattr(signal, sys.argv[2])
+
+def signalled(*args, **kwargs):
+    os.kill(os.getpid(), signum)
+    return original(*args, **kwargs)
+
+setattr(owner, name, signalled)
+sys.argv = [sys.argv[0]] + sys.argv[3:]
+runpy.run_path(os.path.join(os.getcwd(), "train.py"), run_name="__main__")
+"""
+# Asynchronous saves (the default): the final checkpoint may still be in the background when the signal comes.
+OUTSIDE = {**TINY_OVERRIDES, "train.checkpoint_every_steps": 4, "decode.bleu_splits": "test"}
+
+
+def signalled_train(workdir, target, signal_name):
+    return subprocess.run([sys.executable, "-c", SIGNALLED_TRAIN, target, signal_name, f"--workdir={workdir}",
+                           *[f"--config.{key}={value}" for key, value in OUTSIDE.items()]],
+                          capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=600)
+
+
+def test_a_signal_in_the_final_evaluation_commits_the_last_save_and_the_same_command_finishes(tmp_path):
+    workdir = tmp_path / "run"
+    stopped = signalled_train(workdir, "transformer.evaluation:RunEvaluation.final", "SIGTERM")
+    assert stopped.returncode == loop.EXIT_PREEMPTED, stopped.stderr[-3000:]
+    assert (f"SIGTERM during the final evaluation: stopped; the checkpoint of step 6 is committed in "
+            f"{workdir / 'checkpoints'}; run the same command to evaluate it and finish (exit status 75)"
+            in stopped.stderr), stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr and stopped.stdout == ""
+    assert committed(workdir) == [4, 6] and not (workdir / "lock.json").exists()
+    assert not (workdir / "scores.json").exists()
+
+    finished = subprocess.run(command(workdir, OUTSIDE), capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert f"resumed from {workdir / 'checkpoints'} at step 6" in finished.stderr
+    assert finished.stdout.startswith("test BLEU ") and committed(workdir) == [4, 6]
+    scores = json.loads((workdir / "scores.json").read_text())
+    assert scores["step"] == 6 and "test" in scores["bleu"]  # evaluated, not trained further
+    assert max(record["step"] for record in metric_records(workdir)) == 6
+
+
+@pytest.mark.parametrize("target, signal_name, phase", [
+    ("transformer.trainer:load_corpus", "SIGTERM", "start-up"),
+    ("transformer.trainer:Run.compile", "SIGINT", "compiling")])
+def test_a_signal_in_start_up_or_compiling_stops_at_once_and_frees_the_workdir(tmp_path, target, signal_name, phase):
+    workdir = tmp_path / "run"
+    stopped = signalled_train(workdir, target, signal_name)
+    assert stopped.returncode == loop.EXIT_PREEMPTED, stopped.stderr[-3000:]
+    assert (f"{signal_name} during {phase}: stopped; no checkpoint is saved; run the same command to start again "
+            f"(exit status 75)" in stopped.stderr), stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr and "KeyboardInterrupt" not in stopped.stderr
+    assert not (workdir / "lock.json").exists() and committed(workdir) == []
+    assert "step 1: loss" not in stopped.stderr  # it stopped before training

@@ -8,7 +8,9 @@ Exit statuses of the entry points:
     0   finished
     1   an error reported as a message (absl's flag errors and uncaught exceptions exit with 1 too)
     75  preempted: the checkpoint is committed, run the same command again to resume (EX_TEMPFAIL; a SystemExit
-        raised by the trainer, passed through unchanged, as are every other SystemExit and KeyboardInterrupt)
+        raised by the trainer, passed through unchanged, as is every other SystemExit)
+    130 interrupted (Ctrl-C) where no stop handler runs: eval.py, translate; "interrupted" on stderr, no traceback
+    141 stdout closed by its reader (`translate ... | head`): the rest of the output dropped quietly
 
     if __name__ == "__main__":
         app.run(errors.main_with_messages(main))
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
+import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -26,6 +29,8 @@ from typing import Any
 from absl import flags
 
 EXIT_ERROR = 1
+EXIT_INTERRUPTED = 128 + 2  # a shell's status for a command ended by SIGINT
+EXIT_BROKEN_PIPE = 128 + 13  # ... and by SIGPIPE
 TRACEBACK_FLAG = "traceback"
 
 
@@ -111,8 +116,8 @@ def traceback_wanted() -> bool:
 @contextlib.contextmanager
 def messages() -> Iterator[None]:
     """Inside, a reported error (reported_types) is printed as `error: <message>` on stderr and exits with
-    EXIT_ERROR, unless --traceback asks for the traceback. SystemExit (75: preempted) and KeyboardInterrupt are
-    no Exception and pass unchanged."""
+    EXIT_ERROR, unless --traceback asks for the traceback; a closed stdout ends quietly (EXIT_BROKEN_PIPE), a
+    KeyboardInterrupt with one line (EXIT_INTERRUPTED). SystemExit (75: preempted) passes unchanged."""
     try:
         yield
     except reported_types() as error:
@@ -120,6 +125,16 @@ def messages() -> Iterator[None]:
             raise
         print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_ERROR) from None
+    except BrokenPipeError:
+        # The reader of stdout left (`| head`): end quietly as Unix tools do, with a shell's status for SIGPIPE;
+        # stdout goes to /dev/null so the interpreter's last flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(EXIT_BROKEN_PIPE) from None
+    except KeyboardInterrupt:
+        if traceback_wanted():
+            raise
+        print("interrupted", file=sys.stderr, flush=True)  # no traceback for a Ctrl-C of eval.py or translate
+        raise SystemExit(EXIT_INTERRUPTED) from None
 
 
 def define_traceback_flag() -> None:

@@ -329,24 +329,43 @@ def _preemption_service() -> bool:
     return distributed.global_state.preemption_sync_manager is not None
 
 
+class Stopped(SystemExit):
+    """A stop signal where no step can finish first (start-up, compiling, the final evaluation), raised where the
+    main thread is: the run commits what it was saving, frees its workdir, says what is kept and exits with
+    EXIT_PREEMPTED (a SystemExit, so no `except Exception` on the way swallows it)."""
+
+    def __init__(self, signal_name: str, phase: str):
+        super().__init__(EXIT_PREEMPTED)
+        self.signal_name, self.phase = signal_name, phase
+
+
 class Preemption(Action):
-    """SIGTERM or SIGINT during the loop: the current step finishes, the loop saves a checkpoint, waits for it to be
-    committed and exits with EXIT_PREEMPTED. A second signal exits at once (Orbax commits a checkpoint by renaming
-    it whole, so an interrupted save leaves the previous one intact). Outside the loop (start-up, compiling, the
-    final evaluation) the signals keep their usual effect: nothing there would be lost.
+    """SIGTERM or SIGINT, whenever they come in a run (Run installs the handlers at its start, removes them at its
+    close). In the loop (phase "training") the current step finishes, the loop saves a checkpoint, waits for it to
+    be committed and exits with EXIT_PREEMPTED. In start-up, compiling and the final evaluation (STOPPING_PHASES)
+    the signal raises Stopped at once, and the run commits its pending save and exits with the same status; while
+    it writes its scores ("finishing") the signal is noted and the run ends. A second signal exits at once (Orbax
+    commits a checkpoint by renaming it whole, so an interrupted save leaves the previous one intact).
 
     With several processes under jax.distributed, JAX's preemption service owns SIGTERM (the cluster's notice) and
     agrees on one step for every host (multihost_utils.reached_preemption_sync_point); SIGINT is handed to it as a
-    SIGTERM, and outside the loop a SIGTERM there only records the notice. Without that service (a single process)
-    our own handler sets the flag; several processes without it get no handler (each would stop at its own step)."""
+    SIGTERM, only in the loop, and outside it a SIGTERM only records the notice (a host stopping alone outside the
+    loop would leave the others waiting at a collective). Without that service (a single process) our own handler
+    acts; several processes without it get no handler (each would stop at its own step)."""
+
+    STOPPING_PHASES = ("start-up", "compiling", "the final evaluation")
 
     def __init__(self):
         self.received: str | None = None
         self.service = jax.process_count() > 1 and _preemption_service()
         self.previous: dict[int, Any] = {}
         self.stops = False  # whether the loop stops after the step just asked about (syncs)
+        self.phase = "training"  # what the run is doing: where a signal stops it (STOPPING_PHASES) or is noted
 
-    def __enter__(self) -> "Preemption":
+    def install(self) -> bool:
+        """Our handlers in place of the current ones (once); whether this call installed them."""
+        if self.previous:
+            return False
         if jax.process_count() > 1 and not self.service:
             # Each host would stop at its own step and the others would wait at the next collective for ever.
             log.warning("several processes without JAX's preemption service (jax_enable_preemption_service): "
@@ -354,14 +373,44 @@ class Preemption(Action):
         elif threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
             for signum in (signal.SIGINT,) if self.service else (signal.SIGTERM, signal.SIGINT):
                 self.previous[signum] = signal.signal(signum, self._handle)
+            return True
         elif jax.process_count() == 1:
             log.warning("training outside the main thread: SIGTERM and SIGINT stop the run without a checkpoint")
-        return self
+        return False
 
-    def __exit__(self, *exc) -> None:
+    def uninstall(self) -> None:
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
         self.previous = {}
+
+    def __enter__(self) -> "Preemption":
+        self.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
+
+    @contextlib.contextmanager
+    def during(self, phase: str, then: str | None = None):
+        """Inside, the run is in `phase` (after it, in `then`, by default the phase before); the handlers are
+        installed for it if they were not."""
+        installed, previous, self.phase = self.install(), self.phase, phase
+        try:
+            yield self
+        finally:
+            self.phase = then or previous
+            if installed:
+                self.uninstall()
+
+    def enter(self, phase: str) -> None:
+        """The run is now in `phase`; a signal noted before it stops the run here if the phase stops at one."""
+        self.phase = phase
+        if phase in self.STOPPING_PHASES and self.received is not None and not self.service:
+            raise Stopped(self.received, phase)
+
+    NOTED = {"training": "finishing this step, then saving a checkpoint and exiting",
+             "saving": "committing the final checkpoint, then stopping",
+             "finishing": "the run is writing its scores and ends in a moment"}
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
@@ -369,7 +418,10 @@ class Preemption(Action):
             os.write(2, f"{name} again: exiting at once; the last committed checkpoint is kept\n".encode())
             os._exit(128 + signum)
         self.received = name
-        os.write(2, f"{name}: finishing this step, then saving a checkpoint and exiting ({name} again: exit at "
+        if self.phase in self.STOPPING_PHASES and not self.service:
+            os.write(2, f"{name} during {self.phase}: stopping ({name} again: exit at once)\n".encode())
+            raise Stopped(name, self.phase)
+        os.write(2, f"{name}: {self.NOTED.get(self.phase, self.NOTED['training'])} ({name} again: exit at "
                     f"once)\n".encode())
         if self.service:
             os.kill(os.getpid(), signal.SIGTERM)  # JAX's service agrees the step with the other hosts

@@ -124,11 +124,18 @@ class Run:
         if files.exists(workdir) and not files.is_dir(workdir):
             raise NotADirectoryError(f"--workdir={workdir} exists and is not a directory")
         self.checkpoints: RunCheckpoints | None = None
-        self.lock = workdirs.acquire_workdir(workdir)  # before anything reads or writes the workdir
+        self.lock = None
+        # SIGTERM and SIGINT from here to close(): in the loop a step's checkpoint, elsewhere a stop (loop.Preemption).
+        self.signals = loop.Preemption()
+        if not self.signals.service:  # under JAX's service only the loop handles them
+            self.signals.install()
         try:
+            self.signals.enter("start-up")
+            self.lock = workdirs.acquire_workdir(workdir)  # before anything reads or writes the workdir
             self._start(self.config, workdir)
-        except BaseException:
+        except BaseException as error:
             self.close()  # a refused start leaves the workdir as it found it, and free
+            self.say_stopped(error)
             raise
 
     def _start(self, config: dict[str, Any], workdir: str) -> None:
@@ -168,7 +175,8 @@ class Run:
                                   self.corpus.train_source)
 
     def close(self) -> None:
-        """Commit every pending save, close the checkpoint managers and free the workdir (idempotent)."""
+        """Commit every pending save, close the checkpoint managers, free the workdir and put the signal handlers
+        back (idempotent)."""
         try:
             if self.checkpoints is not None:
                 self.checkpoints.close()
@@ -176,6 +184,19 @@ class Run:
             if self.lock is not None:
                 workdirs.release_workdir(self.workdir, self.lock)
                 self.lock = None
+            self.signals.uninstall()
+
+    def say_stopped(self, error: BaseException) -> None:
+        """After a stop signal outside the loop (loop.Stopped), once closed: one line, what is kept and what next."""
+        if not isinstance(error, loop.Stopped):
+            return
+        directory = os.path.join(self.workdir, CHECKPOINTS_DIR)
+        steps = sorted(int(name) for name in files.list_dir(directory) if name.isdigit())  # committed: renamed whole
+        kept = f"the checkpoint of step {steps[-1]} is committed in {directory}" if steps else "no checkpoint is saved"
+        then = ("evaluate it and finish" if error.phase == "the final evaluation" else
+                "resume from it" if steps else "start again")
+        log.warning("%s during %s: stopped; %s; run the same command to %s (exit status %d)", error.signal_name,
+                    error.phase, kept, then, loop.EXIT_PREEMPTED)
 
     def _restore_or_init(self) -> tuple[TrainState, bytes | None]:
         plan, states = self.plan, self.checkpoints.states
@@ -211,22 +232,30 @@ class Run:
     def train(self) -> dict[str, Any]:
         """Compile, then the loop from the state's step; then the end's save, evaluation and scores. After a stop
         signal it returns {"preempted": step} instead, with that step's checkpoint committed."""
-        train, compile_seconds = self.compile_and_log()
-        start_step = int(self.state.step)
-        iterator = self.train_iterator()
-        part = Loop(self, train, start_step)
+        part = None
         try:
-            stop = part.run_steps(prefetch_to_device(batches_with_states(iterator), self.plan.batch_sharding))
-        except BaseException:
+            self.signals.enter("compiling")
+            train, compile_seconds = self.compile_and_log()
+            self.signals.enter("start-up")
+            start_step = int(self.state.step)
+            iterator = self.train_iterator()
+            part = Loop(self, train, start_step)
+            try:
+                stop = part.run_steps(prefetch_to_device(batches_with_states(iterator), self.plan.batch_sharding))
+            finally:
+                part.profile.stop()
+                if hasattr(iterator, "close"):
+                    iterator.close()  # stops grain's worker processes, on an error or a signal too
+            if stop and stop.startswith("preempted"):
+                return part.finish_preempted()
+            return part.finish(compile_seconds)
+        except BaseException as error:
+            if part is not None:
+                part.progress.close()
+                part.writer.close()
             self.close()  # the saves already begun are committed; the workdir is free for the next start
+            self.say_stopped(error)
             raise
-        finally:
-            part.profile.stop()
-            if hasattr(iterator, "close"):
-                iterator.close()  # stops grain's worker processes, on an error or a signal too
-        if stop and stop.startswith("preempted"):
-            return part.finish_preempted()
-        return part.finish(compile_seconds)
 
     def train_iterator(self):
         """The grain iterator of this process's training batches, positioned after the restored step's batch."""
@@ -260,7 +289,7 @@ class Loop:
         self.marks = loop.ReportMarks(config.report_marks, workdirs.read_reports(workdir) if start_step else {})
         self.cooldown = loop.Cooldown(run.settings.optimizer.cooldown_fraction, config.num_train_steps,
                                       run.state.opt_state, self.progress)
-        self.preemption = loop.Preemption()
+        self.preemption = run.signals
         self.profile = loop.Profile(config.profile_range, os.path.join(workdir, "profile"), start_step)
         # Their order is the order of their hooks: the stop reasons of a preemption, the budget and a cooldown done,
         # in that order; a timed save before the cooldown begun by time changes the state; the dev loss before BLEU.
@@ -289,7 +318,7 @@ class Loop:
     def run_steps(self, batches) -> str | None:
         """Every step after start_step up to the final one; returns why the run stopped before, or None."""
         stop = None
-        with self.preemption:
+        with self.preemption.during("training", then="saving"):
             for step in range(self.start_step + 1, self.final_step + 1):
                 stop = self.step(step, batches)
                 if stop:
@@ -379,10 +408,13 @@ class Loop:
         self.progress.close()
         step = int(self.state.step)
         result = {"step": step, "compile_seconds": compile_seconds, "train_seconds": self.clock.seconds}
+        self.run.signals.enter("saving")  # a signal here waits for the save, then stops the evaluation
         if step != self.run.checkpoints.states.last_saved:  # the same answer on every process
             self.save(step, force=True)
+        self.run.signals.enter("the final evaluation")  # a signal stops it; the same command evaluates again
         result["valid"] = self.report_loss()
         final = self.score_final()
+        self.run.signals.enter("finishing")  # past this, the run ends as if no signal came
         if final["averaged_steps"]:
             result["averaged_steps"] = final["averaged_steps"]
         scored = "masked" if "masked" in final else "bleu"
