@@ -128,6 +128,7 @@ def main(argv):
     if len(argv) > 1:
         raise errors.ConfigError(f"unexpected arguments {argv[1:]}: every option is a --flag=value")
     console.route_libraries()  # absl's records (orbax, grain, the data pipeline) in the console's format
+    files.check_storage(FLAGS.workdir, "--workdir")
     sharding.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     with errors.as_config_error():  # a bad flag or saved setting is named before anything is restored
         if FLAGS.input and workdir_family(FLAGS.workdir) == "encoder_only":

@@ -50,6 +50,7 @@ def workdir(tmp_path_factory):
     (["--config=configs/default.py", "--config.modle.x=1"],  # with --config, ml_collections would parse it later
      "error: unknown config key --config.modle (in --config.modle.x); did you mean --config.model?"),
     (["--config.decode.beam_size=0"], "error: decode.beam_size=0 must be >= 1"),
+    (["--config.train.num_train_steps=0"], "error: train.num_train_steps=0 must be >= 1"),  # no run to speak of
     (["--config=configs/nope.py"], "error: --config=configs/nope.py: no such file; looked at"),
 ])
 def test_train_names_a_bad_setting_in_one_line_before_any_work(tmp_path, flags, message):
@@ -114,3 +115,13 @@ def test_nearest_names_the_likely_misspelling_first():
     assert errors.nearest("dropout", keys) == []
     assert errors.did_you_mean("modle", ["model", "data"], "config.") == "; did you mean config.model?"
     assert errors.did_you_mean("zzz", ["model", "data"]) == "; known: data, model"
+
+
+@pytest.mark.parametrize("tool", ["train.py", "eval.py", "-m transformer.translate"])
+def test_a_workdir_url_without_its_filesystem_names_the_flag_and_the_extra(tool):
+    import importlib.util
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed: gs:// can be read here")
+    assert_reported(run(*tool.split(), "--workdir=gs://no-bucket/run"),
+                    "error: --workdir=gs://no-bucket/run: gs:// cannot be read here", 'pip install -e ".[gcs]"')
+    assert_reported(run(*tool.split(), "--workdir=nosuch://x/run"), "--workdir=nosuch://x/run: unknown scheme nosuch://")

@@ -25,6 +25,30 @@ from transformer.errors import ReportedError
 
 
 
+class StorageError(ReportedError, OSError):
+    """A path whose storage cannot be reached from here: a URL scheme with no filesystem installed."""
+
+
+# The extra that installs each scheme's filesystem (pyproject.toml).
+SCHEME_EXTRAS = {"gs": "gcs"}
+
+
+def check_storage(path: str, flag: str) -> None:
+    """Raise StorageError, naming `flag` and the fix, when `path` is a URL whose scheme has no filesystem here
+    (fsspec's ImportError would otherwise surface from deep inside the first read, as a long traceback)."""
+    scheme, separator, _ = path.partition("://")
+    if not separator:
+        return
+    try:
+        epath.Path(path).exists()
+    except ImportError as error:
+        fix = (f'pip install -e ".[{SCHEME_EXTRAS[scheme]}]"' if scheme in SCHEME_EXTRAS else
+               f"install a filesystem for {scheme}:// (fsspec's) or use a local path")
+        raise StorageError(f"{flag}={path}: {scheme}:// cannot be read here ({error}); {fix}") from None
+    except (ValueError, KeyError) as error:  # a scheme epath or fsspec does not know at all
+        raise StorageError(f"{flag}={path}: unknown scheme {scheme}:// ({error})") from None
+
+
 class DamagedFileError(ReportedError, ValueError):
     """A file exists but cannot be read as what it should be."""
 

@@ -44,8 +44,9 @@ class TrainConfig:
             raise ValueError(f"train.nonfinite={self.nonfinite!r} is not one of {loop.NONFINITE_POLICIES}")
         if self.dropout_rng not in DROPOUT_RNGS:
             raise ValueError(f"train.dropout_rng={self.dropout_rng!r} is not one of {DROPOUT_RNGS}")
-        if self.num_train_steps < 0:
-            raise ValueError(f"train.num_train_steps={self.num_train_steps} must be >= 0")
+        if self.num_train_steps < 1:  # 0 would build, save and score an untrained model as if it were a run
+            raise ValueError(f"train.num_train_steps={self.num_train_steps} must be >= 1 (eval.py scores a "
+                             f"trained workdir)")
         for name in ("log_every_steps", "checkpoint_every_steps", "keep_checkpoints"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"train.{name}={getattr(self, name)} must be positive")

@@ -121,6 +121,7 @@ class Run:
         if not self.is_writer:  # one console: process 0's, from the first line on
             console.only_warnings()
         self.settings = Settings.from_config(config)
+        files.check_storage(workdir, "--workdir")
         if files.exists(workdir) and not files.is_dir(workdir):
             raise NotADirectoryError(f"--workdir={workdir} exists and is not a directory")
         self.checkpoints: RunCheckpoints | None = None

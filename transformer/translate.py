@@ -85,6 +85,7 @@ def main(argv):
     if len(argv) > 1:
         raise errors.ConfigError(f"unexpected arguments {argv[1:]}: every option is a --flag=value")
     console.route_libraries()  # absl's records (orbax, grain, the data pipeline) in the console's format
+    files.check_storage(FLAGS.workdir, "--workdir")
     sharding.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     if jax.process_count() > 1 and not FLAGS.input:
         raise errors.ConfigError("several processes read the same lines: give them --input (a file), not stdin")
