@@ -111,6 +111,11 @@ def previous_train_seconds(workdir: str, start_step: int) -> float:
     return seconds
 
 
+def committed_steps(workdir: str) -> list[int]:
+    """The steps of the workdir's committed checkpoints, oldest first: Orbax renames a checkpoint to its step whole."""
+    return sorted(int(name) for name in files.list_dir(os.path.join(workdir, CHECKPOINTS_DIR)) if name.isdigit())
+
+
 class Run:
     """One training run in one workdir: everything is validated and built in __init__, before any write
     that could replace an existing file; `train()` then compiles and runs the loop."""
@@ -142,7 +147,7 @@ class Run:
     def _start(self, config: dict[str, Any], workdir: str) -> None:
         settings, train = self.settings, self.settings.train
         splits = ["train", "valid"] + [s for s in settings.decode.splits if s != "valid"]
-        resuming = any(name.isdigit() for name in files.list_dir(os.path.join(workdir, CHECKPOINTS_DIR)))
+        resuming = bool(committed_steps(workdir))
         if resuming:
             for change in check_resume_config(load_workdir_config(workdir), config):
                 log.info("resuming with a changed setting: %s", change)
@@ -191,8 +196,7 @@ class Run:
         """After a stop signal outside the loop (loop.Stopped), once closed: one line, what is kept and what next."""
         if not isinstance(error, loop.Stopped):
             return
-        directory = os.path.join(self.workdir, CHECKPOINTS_DIR)
-        steps = sorted(int(name) for name in files.list_dir(directory) if name.isdigit())  # committed: renamed whole
+        directory, steps = os.path.join(self.workdir, CHECKPOINTS_DIR), committed_steps(self.workdir)
         kept = f"the checkpoint of step {steps[-1]} is committed in {directory}" if steps else "no checkpoint is saved"
         then = ("evaluate it and finish" if error.phase == "the final evaluation" else
                 "resume from it" if steps else "start again")
