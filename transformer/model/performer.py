@@ -176,16 +176,17 @@ def exact_within(queries: Array, exponents: Array, own: Array, chunk: int = 16) 
         x = jnp.pad(x, [(0, 0)] * 4 + [(0, pad)], constant_values=fill)
         return jnp.moveaxis(x.reshape(*x.shape[:-1], -1, chunk), (-2, 1), (0, 1))
 
+    largest = jnp.swapaxes(own, 0, 1)[:, :, :, None]  # [c, b, q, 1, h, 1], the same for every chunk
+
     @jax.checkpoint
     def add(total, parts):  # total [c, b, q, k, h]
-        q, k, o = parts
-        logits = q[:, :, :, None] + k[:, :, None] - o[:, :, :, None]  # [c, b, q, k, h, chunk]
+        q, k = parts
+        logits = q[:, :, :, None] + k[:, :, None] - largest  # [c, b, q, k, h, chunk]
         return total + jnp.sum(jnp.exp(jnp.where(causal, logits, -jnp.inf)), axis=-1), None
 
     q, k = split(queries, 0.0), split(exponents, -jnp.inf)
-    o = jnp.broadcast_to(jnp.swapaxes(own, 0, 1)[None], (q.shape[0], *own.swapaxes(0, 1).shape[:-1], 1))
     count, batch, heads = queries.shape[1], queries.shape[0], queries.shape[3]
-    total, _ = jax.lax.scan(add, jnp.zeros((count, batch, size, size, heads), jnp.float32), (q, k, o))
+    total, _ = jax.lax.scan(add, jnp.zeros((count, batch, size, size, heads), jnp.float32), (q, k))
     return jnp.transpose(total, (1, 0, 4, 2, 3))  # [b, c, h, q, k]
 
 
