@@ -2,6 +2,7 @@
 train step under both policies; and a run stopped by a non-finite step, which names it and saves nothing after it."""
 
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -66,6 +67,28 @@ def test_skipped_steps_are_counted_and_left_out_of_the_averages():
     assert summary["loss"] == 3.0 and summary["grad_norm"] == 2.0  # (20 + 40) / 20 tokens; mean of 1 and 3
     window.add(window_metrics(10.0, 1.0, 0))
     assert window.fetch(last_checkpoint="none")["skipped_updates"] == 0 and window.first_step == 5
+
+
+def test_skipping_past_the_limit_stops_counting_the_earlier_parts_of_the_run():
+    window = loop.MetricsWindow(first_step=21, policy="skip", max_skipped=3, skipped=2)  # 2 before a resume
+    window.add(window_metrics(np.nan, np.nan, 1))
+    assert window.fetch(last_checkpoint="none")["skipped_updates"] == 1 and window.skipped == 3  # at the limit
+    for values in [(20.0, 1.0, 0), (np.nan, np.nan, 1)]:
+        window.add(window_metrics(*values))
+    with pytest.raises(loop.NonFiniteError, match=r"skipped 4 non-finite updates by step 23, more than "
+                                                  r"train.max_skipped_updates=3 \(first in this window: step 23\);"
+                                                  r".*last good checkpoint: step 20"):
+        window.fetch(last_checkpoint="step 20")
+
+
+def test_the_totals_of_a_resumed_run_count_its_earlier_parts(tmp_path):
+    records = [{"split": "train", "step": 10, "train_seconds": 5.0, "skipped_updates": 2},
+               {"split": "valid", "step": 10, "loss": 3.0},
+               {"split": "train", "step": 20, "train_seconds": 9.0, "skipped_updates": 1},
+               {"split": "train", "step": 30, "train_seconds": 14.0, "skipped_updates": 4}]  # after the resumed step
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert trainer.previous_train_totals(str(tmp_path), 20) == (9.0, 3)
+    assert trainer.previous_train_totals(str(tmp_path), 0) == (0.0, 0)
 
 
 def test_the_budget_asks_for_a_fetch_where_it_runs_out_and_says_when_it_is_spent():
@@ -253,6 +276,18 @@ def test_a_run_that_diverges_stops_at_the_step_naming_it_and_saves_nothing_after
 def test_under_skip_a_diverging_run_goes_on_and_logs_the_skipped_updates(tmp_path):
     config = make_tiny_config(**{"optimizer.learning_rate_scale": 1e9, "train.nonfinite": "skip",
                                  "train.eval_every_steps": 0, "decode.bleu_splits": ""})
-    trainer.Run(config, str(tmp_path)).train()
+    result = trainer.Run(config, str(tmp_path)).train()
     train_records = [r for r in metric_records(tmp_path) if r["split"] == "train"]
-    assert train_records[-1]["step"] == 6 and sum(r["skipped_updates"] for r in train_records) >= 1
+    skipped = sum(r["skipped_updates"] for r in train_records)
+    assert train_records[-1]["step"] == 6 and skipped >= 1
+    scores = json.loads((tmp_path / "scores.json").read_text())
+    assert result["skipped_updates"] == scores["skipped_updates"] == skipped  # the run's total, said at its end
+
+
+def test_under_skip_a_run_that_skips_past_the_limit_stops_naming_it(tmp_path):
+    config = make_tiny_config(**{"optimizer.learning_rate_scale": 1e9, "train.nonfinite": "skip",
+                                 "train.max_skipped_updates": 3, "train.eval_every_steps": 0,
+                                 "decode.bleu_splits": ""})
+    with pytest.raises(loop.NonFiniteError, match=r"more than train.max_skipped_updates=3"):
+        trainer.Run(config, str(tmp_path)).train()
+    assert not (tmp_path / "scores.json").exists()

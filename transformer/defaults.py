@@ -125,6 +125,9 @@ def train_defaults() -> ml_collections.ConfigDict:
     # A step whose loss or gradient norm is not finite is caught at the next log or checkpoint step, before any save:
     # "stop" ends the run naming the step and the last good checkpoint; "skip" leaves such updates out and logs them.
     train.nonfinite = "stop"
+    # Under "skip", more skipped updates than this in the whole run stop it as "stop" would: the shipped configs skip
+    # none, isolated bad batches are a handful, and 50 stops a diverging run within a few log windows.
+    train.max_skipped_updates = 50
     train.debug_nans = False  # jax_debug_nans: re-runs the step op by op at the first NaN to name its source (slow)
     train.wandb_project = ""  # also log to this Weights & Biases project (pip install -e ".[wandb]")
     train.profile_steps = ""  # "N-M": a profiler trace of steps N to M in workdir/profile (TensorBoard, Perfetto)

@@ -142,15 +142,16 @@ class MetricsWindow:
 
     A step's `nonfinite` flag is read here: under "stop" the first such step raises NonFiniteError (before the
     caller saves anything); under "skip" its update was not applied on the device, and the window's summary
-    counts it (`skipped_updates`) and leaves it out of the averages."""
+    counts it (`skipped_updates`) and leaves it out of the averages, and once the run's total passes
+    `max_skipped` raises NonFiniteError: a run that skips that often is diverging, not meeting a rare bad batch."""
 
-    def __init__(self, first_step: int, policy: str = "stop"):
+    def __init__(self, first_step: int, policy: str = "stop", max_skipped: float = math.inf, skipped: int = 0):
         if policy not in NONFINITE_POLICIES:
             raise ValueError(f"train.nonfinite={policy!r} is not one of {NONFINITE_POLICIES}")
-        self.policy, self.first_step = policy, first_step
+        self.policy, self.first_step, self.max_skipped = policy, first_step, max_skipped
         self.pending: list[dict[str, Any]] = []
         self.input_seconds = 0.0  # spent waiting for the next batch in this window
-        self.skipped = 0  # non-finite updates skipped so far in this part of the run
+        self.skipped = skipped  # non-finite updates skipped so far in the run, earlier parts included
 
     def add(self, step_metrics: dict[str, Any]) -> None:
         self.pending.append(step_metrics)
@@ -168,10 +169,16 @@ class MetricsWindow:
                 f"{float(values['grad_norm']):.4g}); nothing was saved after it; last good checkpoint: "
                 f"{last_checkpoint}. train.nonfinite=skip skips such updates; train.debug_nans=true finds the "
                 "operation that made it")
+        self.skipped += len(bad)
+        if self.skipped > self.max_skipped:
+            raise NonFiniteError(
+                f"train.nonfinite=skip has skipped {self.skipped} non-finite updates by step "
+                f"{self.first_step + len(fetched) - 1}, more than train.max_skipped_updates={self.max_skipped:g} "
+                f"(first in this window: step {bad[0][0]}); nothing was saved after it; last good checkpoint: "
+                f"{last_checkpoint}. A lower optimizer.learning_rate_scale or a longer warmup usually cures it")
         good = [m for _, m in enumerate(fetched) if not m.get("nonfinite", 0)]
         summary = summarize(good or fetched)
         summary["skipped_updates"] = len(bad)
-        self.skipped += len(bad)
         self.first_step += len(fetched)
         self.pending = []
         return summary

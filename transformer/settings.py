@@ -33,6 +33,7 @@ class TrainConfig:
     checkpoint_every_minutes: float
     compilation_cache_dir: str
     nonfinite: str
+    max_skipped_updates: int
     debug_nans: bool
     wandb_project: str
     profile_steps: str
@@ -47,7 +48,7 @@ class TrainConfig:
         if self.num_train_steps < 1:  # 0 would build, save and score an untrained model as if it were a run
             raise ValueError(f"train.num_train_steps={self.num_train_steps} must be >= 1 (eval.py scores a "
                              f"trained workdir)")
-        for name in ("log_every_steps", "checkpoint_every_steps", "keep_checkpoints"):
+        for name in ("log_every_steps", "checkpoint_every_steps", "keep_checkpoints", "max_skipped_updates"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"train.{name}={getattr(self, name)} must be positive")
         if self.max_train_minutes < 0 or self.checkpoint_every_minutes < 0:
@@ -148,6 +149,7 @@ RESUMABLE_CHANGES = ("train.num_train_steps", "train.log_every_steps", "train.ev
                      "train.keep_best_checkpoint", "train.max_train_minutes", "train.report_minutes",
                      "train.dropout_rng",  # the masks change from the resumed step on, as with num_microbatches
                      "train.checkpoint_every_minutes", "train.compilation_cache_dir", "train.nonfinite",
+                     "train.max_skipped_updates",
                      "train.debug_nans", "data.local_cache_dir",
                      "train.wandb_project", "train.profile_steps")
 

@@ -101,14 +101,16 @@ def prefetch_to_device(batches: Iterator[tuple[dict, Any]], batch_sharding, size
     yield from queue
 
 
-def previous_train_seconds(workdir: str, start_step: int) -> float:
-    """The training seconds a stopped run had spent up to start_step (its last train record in
-    metrics.jsonl), so that train.max_train_minutes and the time-to-BLEU curve count the whole run."""
-    seconds = 0.0
+def previous_train_totals(workdir: str, start_step: int) -> tuple[float, int]:
+    """The training seconds a stopped run had spent up to start_step (its last train record in metrics.jsonl) and
+    the non-finite updates it had skipped, so that train.max_train_minutes, the time-to-BLEU curve and
+    train.max_skipped_updates count the whole run."""
+    seconds, skipped = 0.0, 0
     for record in metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if start_step else []:
-        if record.get("split") == "train" and record.get("step", 0) <= start_step and "train_seconds" in record:
-            seconds = record["train_seconds"]
-    return seconds
+        if record.get("split") == "train" and record.get("step", 0) <= start_step:
+            seconds = record.get("train_seconds", seconds)
+            skipped += int(record.get("skipped_updates", 0))
+    return seconds, skipped
 
 
 def committed_steps(workdir: str) -> list[int]:
@@ -289,7 +291,8 @@ class Loop:
         self.evaluation = RunEvaluation(run.evaluator, workdir, self.writer, self.progress, lambda step, bleu:
                                         run.checkpoints.save_best(step, run.state.params, bleu))
         self.peak_flops = throughput.device_peak_flops(dtype=run.plan.model_config.dtype)
-        self.window = loop.MetricsWindow(start_step + 1, config.nonfinite)
+        seconds_before, skipped_before = previous_train_totals(workdir, start_step)
+        self.window = loop.MetricsWindow(start_step + 1, config.nonfinite, config.max_skipped_updates, skipped_before)
         self.budget = loop.TimeBudget(config.max_train_minutes, config.log_every_steps)
         self.marks = loop.ReportMarks(config.report_marks, workdirs.read_reports(workdir) if start_step else {})
         self.cooldown = loop.Cooldown(run.settings.optimizer.cooldown_fraction, config.num_train_steps,
@@ -306,7 +309,7 @@ class Loop:
             self.profile]
         timed = self.budget.limited or bool(self.marks.marks) or config.checkpoint_every_minutes > 0
         # The trainer's own clock reading (time.perf_counter looked up at each call), which the tests replace.
-        self.clock = loop.Clock(previous_train_seconds(workdir, start_step), timed, now=lambda: time.perf_counter())
+        self.clock = loop.Clock(seconds_before, timed, now=lambda: time.perf_counter())
         self.saved_at = self.clock.seconds  # the training seconds at the last save (checkpoint_every_minutes)
         self.part_start = (start_step, self.clock.seconds)  # this part's pace projects a timed decay's end
         self.last_step = start_step  # the last fetched step
@@ -413,6 +416,11 @@ class Loop:
         self.progress.close()
         step = int(self.state.step)
         result = {"step": step, "compile_seconds": compile_seconds, "train_seconds": self.clock.seconds}
+        if self.window.skipped:  # the whole run's total, also in scores.json: the window lines are easy to miss
+            result["skipped_updates"] = self.window.skipped
+            log.warning("train.nonfinite=skip: %d of %d updates were skipped as non-finite in this run (limit "
+                        "train.max_skipped_updates=%d)", self.window.skipped, step,
+                        self.run.settings.train.max_skipped_updates)
         self.run.signals.enter("saving")  # a signal here waits for the save, then stops the evaluation
         if step != self.run.checkpoints.states.last_saved:  # the same answer on every process
             self.save(step, force=True)
