@@ -129,6 +129,11 @@ def main(argv):
         raise errors.ConfigError(f"unexpected arguments {argv[1:]}: every option is a --flag=value")
     console.route_libraries()  # absl's records (orbax, grain, the data pipeline) in the console's format
     files.check_storage(FLAGS.workdir, "--workdir")
+    # Checked before the model is restored and decoded, where the first write would come after the work.
+    files.check_writable(os.path.join(FLAGS.workdir, "eval"), "--workdir", "eval.py writes its scores (and "
+                         "translations) in the workdir's eval/ folder; `python -m transformer.translate` only reads")
+    if FLAGS.output:
+        files.check_writable(os.path.dirname(files.absolute(FLAGS.output)), "--output", "the translations go there")
     sharding.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     with errors.as_config_error():  # a bad flag or saved setting is named before anything is restored
         if FLAGS.input and workdir_family(FLAGS.workdir) == "encoder_only":

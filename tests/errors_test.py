@@ -80,6 +80,15 @@ def test_a_bad_step_is_named_with_the_steps_there_and_traceback_shows_where(work
     assert "FileNotFoundError: no checkpoint for step 99" in result.stderr and "error: " not in result.stderr
 
 
+def test_a_resume_with_another_model_shape_names_the_change_and_leaves_the_workdir(workdir):
+    from tiny import tree_digest
+    before = tree_digest(workdir)
+    overrides = {**TINY_OVERRIDES, "train.num_train_steps": 4, "model.emb_dim": 64}
+    result = run("train.py", f"--workdir={workdir}", *[f"--config.{key}={value}" for key, value in overrides.items()])
+    assert_reported(result, "another config (model.emb_dim: 32 -> 64)", "config.json", "or use a new --workdir")
+    assert tree_digest(workdir) == before
+
+
 def test_traceback_shows_where_an_unknown_key_was_found(tmp_path):
     result = run("train.py", f"--workdir={tmp_path / 'w'}", "--config.train.num_train_step=5", "--traceback")
     assert result.returncode == 1 and "Traceback (most recent call last)" in result.stderr
@@ -125,3 +134,75 @@ def test_a_workdir_url_without_its_filesystem_names_the_flag_and_the_extra(tool)
     assert_reported(run(*tool.split(), "--workdir=gs://no-bucket/run"),
                     "error: --workdir=gs://no-bucket/run: gs:// cannot be read here", 'pip install -e ".[gcs]"')
     assert_reported(run(*tool.split(), "--workdir=nosuch://x/run"), "--workdir=nosuch://x/run: unknown scheme nosuch://")
+
+
+def test_a_write_the_disk_refuses_is_one_line_naming_the_file_and_other_os_errors_pass(capsys):
+    import errno
+    with pytest.raises(SystemExit) as exit_info, errors.messages():
+        raise OSError(errno.ENOSPC, "No space left on device", "/w/tokens/train-1")
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err.startswith("error: cannot write /w/tokens/train-1: the disk is full (No space left")
+    with pytest.raises(OSError, match="Input/output error"), errors.messages():
+        raise OSError(errno.EIO, "Input/output error", "/w/x")  # not the disk's answer to a write: not ours to hide
+
+
+def mount_namespace_available() -> bool:
+    """Whether this process may mount in a namespace of its own (root, util-linux's unshare): the honest way to
+    give a test a read-only or full disk, which root's writes would otherwise ignore."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        return subprocess.run(["unshare", "--mount", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def run_with_mount(mount: str, *command, after: str = "true"):
+    """`python command` in a mount namespace where the shell line `mount` ran first and `after` runs last (the
+    namespace's mounts end with it); the command's status."""
+    import shlex
+    line = (f"{mount} && {{ {shlex.quote(sys.executable)} {' '.join(shlex.quote(c) for c in command)}; status=$?; "
+            f"{after}; exit $status; }}")
+    return subprocess.run(["unshare", "--mount", "sh", "-c", line], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("tool, message", [
+    ("train.py", "a training run keeps its lock"), ("eval.py", "eval.py writes its scores")])
+def test_a_read_only_workdir_is_named_before_any_work_and_left_as_it_was(workdir, tmp_path, tool, message):
+    from tiny import tree_digest
+    before = tree_digest(workdir)
+    view = tmp_path / "view"
+    view.mkdir()
+    if mount_namespace_available():
+        result = run_with_mount(f"mount --bind {workdir} {view} && mount -o remount,bind,ro {view}", tool,
+                                f"--workdir={view}", *[f"--config.{k}={v}" for k, v in TINY_OVERRIDES.items()
+                                                       if tool == "train.py"])
+    elif os.geteuid() != 0:
+        view = workdir
+        os.chmod(workdir, 0o555)
+        try:
+            result = run(tool, f"--workdir={view}")
+        finally:
+            os.chmod(workdir, 0o755)
+    else:
+        pytest.skip("root here ignores file modes, and no mount namespace can make a read-only view")
+    assert_reported(result, f"--workdir={view}", "cannot be written", message)
+    assert tree_digest(workdir) == before
+
+
+def test_a_full_disk_while_the_token_cache_is_written_names_it_and_leaves_no_part_behind(tmp_path):
+    if not mount_namespace_available():
+        pytest.skip("a full disk needs a small tmpfs in a mount namespace (root, unshare)")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    # 1 MiB: room for the vocabulary and the text, not for the token cache (measured with the tiny config).
+    result = run_with_mount(f"mount -t tmpfs -o size=1m tmpfs {disk}", "train.py", f"--workdir={disk}/w",
+                            *[f"--config.{k}={v}" for k, v in TINY_OVERRIDES.items()], "--config.decode.bleu_splits=",
+                            after=f"echo left:; find {disk}/w")
+    last = result.stderr.strip().splitlines()[-1]  # after the lines of the work done before the disk filled
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert last.startswith(f"error: cannot write {disk}/w/tokens/train-") and "the disk is full" in last, last
+    left = result.stdout.split("left:\n")[1].split()
+    assert f"{disk}/w/vocab.model" in left and not any("tokens/" in path for path in left), left  # no half cache
+    assert f"{disk}/w/lock.json" not in left  # the workdir is free for the next start

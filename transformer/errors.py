@@ -10,6 +10,7 @@ Exit statuses of the entry points:
     75  preempted: the checkpoint is committed, run the same command again to resume (EX_TEMPFAIL; a SystemExit
         raised by the trainer, passed through unchanged, as is every other SystemExit)
     130 interrupted (Ctrl-C) where no stop handler runs: eval.py, translate; "interrupted" on stderr, no traceback
+    1   also a write the disk refuses (full, read-only, no permission): one line naming the file and the fix
     141 stdout closed by its reader (`translate ... | head`): the rest of the output dropped quietly
 
     if __name__ == "__main__":
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import errno
 import functools
 import os
 import sys
@@ -71,6 +73,24 @@ def reported_types() -> tuple[type[BaseException], ...]:
         NotADirectoryError,  # a --workdir that is a file
         FloatingPointError,  # a non-finite training loss, named by its step (the trainer's stop policy)
     )
+
+
+# A write the disk refused: the entry points say it in one line naming the file (OSError's own line, e.g. numpy's
+# "61071 requested and 37888 written", names neither), with what to do.
+WRITE_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+                errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+                errno.EPERM: "operation not permitted"}
+
+
+def write_error_message(error: OSError) -> str:
+    """One line for an OSError of WRITE_ERRNOS: the file, what the disk said, and the fix."""
+    where = str(error.filename) if error.filename else "a file"
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = ("free space there (or give --workdir, data.local_cache_dir or --output another disk) and run the same "
+               "command again: committed checkpoints and files written whole are kept")
+    else:
+        fix = "make it writable or give the command a folder it may write (--workdir, --output)"
+    return f"cannot write {where}: {WRITE_ERRNOS[error.errno]} ({error.strerror}); {fix}"
 
 
 def nearest(name: str, known: Iterable[str], count: int = 3) -> list[str]:
@@ -130,6 +150,11 @@ def messages() -> Iterator[None]:
         # stdout goes to /dev/null so the interpreter's last flush cannot fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(EXIT_BROKEN_PIPE) from None
+    except OSError as error:  # after the reported types: FileNotFoundError and StorageError are among them
+        if error.errno not in WRITE_ERRNOS or traceback_wanted():
+            raise
+        print(f"error: {write_error_message(error)}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_ERROR) from None
     except KeyboardInterrupt:
         if traceback_wanted():
             raise

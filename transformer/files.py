@@ -26,7 +26,8 @@ from transformer.errors import ReportedError
 
 
 class StorageError(ReportedError, OSError):
-    """A path whose storage cannot be reached from here: a URL scheme with no filesystem installed."""
+    """A path whose storage cannot be reached or written from here: a URL scheme with no filesystem installed, a
+    read-only folder the command must write."""
 
 
 # The extra that installs each scheme's filesystem (pyproject.toml).
@@ -47,6 +48,34 @@ def check_storage(path: str, flag: str) -> None:
         raise StorageError(f"{flag}={path}: {scheme}:// cannot be read here ({error}); {fix}") from None
     except (ValueError, KeyError) as error:  # a scheme epath or fsspec does not know at all
         raise StorageError(f"{flag}={path}: unknown scheme {scheme}:// ({error})") from None
+
+
+def check_writable(path: str, flag: str, writes: str) -> None:
+    """Raise StorageError, naming `flag`, when the local folder `path` (or, before it exists, the nearest folder
+    above it) cannot be written: checked before any work, where the first write would fail only after it.
+    `writes` says what the command keeps there. Object storage is not probed: its errors come from the write."""
+    if not is_local(path):
+        return
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if os.access(existing, os.W_OK | os.X_OK):
+        return
+    reason = "read-only file system" if os.statvfs(existing).f_flag & os.ST_RDONLY else "permission denied"
+    raise StorageError(f"{flag}={path}: {existing} cannot be written ({reason}); {writes}")
+
+
+
+@contextlib.contextmanager
+def naming(path: str):
+    """Inside, an OSError that names no file (a buffered write's ENOSPC: `[Errno 28] No space left on device`)
+    is raised again naming `path`, the file or folder being written, so that its message says which disk."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is None and error.errno:
+            raise type(error)(error.errno, error.strerror, path) from error
+        raise
 
 
 class DamagedFileError(ReportedError, ValueError):

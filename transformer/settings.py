@@ -185,7 +185,7 @@ def check_resume_config(saved: Mapping[str, Any], config: Mapping[str, Any]) -> 
     change = {key: f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in differ}
     refused = [change[key] for key in differ if not key.startswith(RESUMABLE_CHANGES)]
     if refused:
-        raise ValueError(f"this workdir holds checkpoints of a run with another config ({', '.join(refused)}). "
+        raise errors.ConfigError(f"this workdir holds checkpoints of a run with another config ({', '.join(refused)}). "
                          "Resume with the same settings (see config.json there; only the keys starting with "
                          f"{', '.join(RESUMABLE_CHANGES)} may change), or use a new --workdir.")
     return list(change.values())

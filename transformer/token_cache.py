@@ -53,7 +53,7 @@ class PairSpill:
         os.makedirs(directory, exist_ok=True)  # a crashed start of the same pid (containers) left it: overwritten
         lengths: dict[str, list[np.ndarray]] = {side: [np.zeros(1, np.int64)] for side in cls.SIDES}
         try:
-            with open(os.path.join(directory, "source.bin"), "wb") as source, \
+            with files.naming(directory), open(os.path.join(directory, "source.bin"), "wb") as source, \
                     open(os.path.join(directory, "target.bin"), "wb") as target:
                 iterator = iter(pairs)
                 while batch := list(itertools.islice(iterator, batch_size)):
@@ -63,7 +63,8 @@ class PairSpill:
                         handle.write(b"".join(encoded))
                         lengths[side].append(np.fromiter(map(len, encoded), np.int64, len(encoded)))
             for side in cls.SIDES:
-                np.save(os.path.join(directory, f"{side}_offsets.npy"), np.cumsum(np.concatenate(lengths[side])))
+                with files.naming(directory):
+                    np.save(os.path.join(directory, f"{side}_offsets.npy"), np.cumsum(np.concatenate(lengths[side])))
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
@@ -230,7 +231,7 @@ class TokenCache:
         dataset = grain.MapDataset.source(PairChunks(pairs, chunk_size)).map(TokenizeChunk(model_path))
         dataset = dataset.to_iter_dataset(grain.ReadOptions(num_threads=0))
         dataset = in_worker_processes(dataset, num_workers)
-        with CacheWriter(directory) as writer:
+        with files.naming(directory), CacheWriter(directory) as writer:
             iterator = iter(dataset)
             try:
                 for chunk in iterator:  # mp_prefetch keeps the chunk order: the cache does not depend on num_workers
@@ -245,7 +246,7 @@ class TokenCache:
     def write(cls, directory: str, *, inputs: np.ndarray, inputs_lengths: np.ndarray, targets: np.ndarray,
               targets_lengths: np.ndarray, record: dict | None = None) -> "TokenCache":
         """Write flat token arrays and per-pair lengths as a cache (one chunk of CacheWriter)."""
-        with CacheWriter(directory) as writer:
+        with files.naming(directory), CacheWriter(directory) as writer:
             writer.append({"inputs": inputs, "inputs_lengths": inputs_lengths, "targets": targets,
                            "targets_lengths": targets_lengths})
             writer.finish(record)
@@ -273,7 +274,9 @@ class CacheWriter:
     def append(self, chunk: dict[str, np.ndarray]) -> None:
         for side, _ in self.SIDES:
             tokens = np.asarray(chunk[side], np.int32)
-            tokens.tofile(self._raw[side])
+            # The file's write, not ndarray.tofile: a full disk then raises ENOSPC naming the file, where tofile
+            # says only "61071 requested and 37888 written".
+            self._raw[side].write(memoryview(np.ascontiguousarray(tokens)).cast("B"))
             self._lengths[side].append(np.asarray(chunk[f"{side}_lengths"], np.int64))
             self._max = max(self._max, int(tokens.max(initial=0)))
 
@@ -283,12 +286,14 @@ class CacheWriter:
             self._raw[side].close()
             count = os.path.getsize(self._raw_path(side)) // 4
             raw = np.memmap(self._raw_path(side), np.int32, mode="r") if count else np.zeros(0, np.int32)
-            tokens = np.lib.format.open_memmap(os.path.join(self.temporary, f"{side}.npy"), mode="w+",
-                                               dtype=dtype, shape=(count,))
-            for start in range(0, count, self.COPY_BLOCK):
-                tokens[start:start + self.COPY_BLOCK] = raw[start:start + self.COPY_BLOCK]
-            tokens.flush()
-            del tokens, raw
+            # Written block by block through the file, not into a memory map: a full disk is then an ENOSPC
+            # naming the file, where a page of a map that cannot be allocated kills the process (SIGBUS).
+            with open(os.path.join(self.temporary, f"{side}.npy"), "wb") as handle:
+                np.lib.format.write_array_header_1_0(handle, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                                                              "fortran_order": False, "shape": (count,)})
+                for start in range(0, count, self.COPY_BLOCK):
+                    handle.write(memoryview(raw[start:start + self.COPY_BLOCK].astype(dtype)).cast("B"))
+            del raw
             os.remove(self._raw_path(side))
             np.save(os.path.join(self.temporary, f"{offsets}.npy"), np.cumsum(np.concatenate(self._lengths[side])))
         if record is not None:

@@ -131,6 +131,8 @@ class Run:
         files.check_storage(workdir, "--workdir")
         if files.exists(workdir) and not files.is_dir(workdir):
             raise NotADirectoryError(f"--workdir={workdir} exists and is not a directory")
+        files.check_writable(workdir, "--workdir", "a training run keeps its lock, checkpoints and logs there (eval.py "
+                             "and translate read a workdir they may not write)")
         self.checkpoints: RunCheckpoints | None = None
         self.lock = None
         # SIGTERM and SIGINT from here to close(): in the loop a step's checkpoint, elsewhere a stop (loop.Preemption).
