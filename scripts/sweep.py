@@ -75,9 +75,10 @@ def main(argv):
     except sweep.SweepError as error:
         echo(f"sweep: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: run_points has stopped the children and recorded them
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: run_points has stopped the children and recorded them
         echo("sweep: interrupted; the same command resumes the stopped runs from their checkpoints", file=sys.stderr)
-        return 130
+        # 75 when every stopped run committed its checkpoint: the emitted SLURM scripts requeue on it.
+        return sweep_runner.EXIT_PREEMPTED if getattr(stop, "resumable", False) else 130
 
 
 def run(config_spec: str, sweep_spec: str | None, sweep_dir: str) -> int:
@@ -103,12 +104,13 @@ def run(config_spec: str, sweep_spec: str | None, sweep_dir: str) -> int:
         return 0
     start = time.time()
     results = sweep_runner.run_points(valid, sweep_dir, config_spec, FLAGS.parallel, echo=echo)
-    failed = sorted(name for name, code in results.items() if code)
-    echo(f"sweep: {len(results)} runs launched, {len(failed)} failed, {len(valid) - len(results)} already done, "
-         f"in {sweep_runner.format_seconds(time.time() - start)}")
+    failed = sorted(name for name, code in results.items() if code and code != sweep_runner.EXIT_PREEMPTED)
+    stopped = sorted(name for name, code in results.items() if code == sweep_runner.EXIT_PREEMPTED)
+    echo(f"sweep: {len(results)} runs launched, {len(failed)} failed, {len(stopped)} stopped to resume, "
+         f"{len(valid) - len(results)} already done, in {sweep_runner.format_seconds(time.time() - start)}")
     if not FLAGS.only:  # each SLURM task runs one point; --collect gathers them once they are through
         echo(sweep_results.write_results(sweep_dir, echo=echo), end="")
-    return 1 if failed else 0
+    return 1 if failed else sweep_runner.EXIT_PREEMPTED if stopped else 0
 
 
 if __name__ == "__main__":

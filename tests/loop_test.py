@@ -82,13 +82,13 @@ def test_skipping_past_the_limit_stops_counting_the_earlier_parts_of_the_run():
 
 
 def test_the_totals_of_a_resumed_run_count_its_earlier_parts(tmp_path):
-    records = [{"split": "train", "step": 10, "train_seconds": 5.0, "skipped_updates": 2},
+    records = [{"split": "train", "step": 10, "train_seconds": 5.0, "skipped_updates": 2, "steps_per_second": 2.0},
                {"split": "valid", "step": 10, "loss": 3.0},
-               {"split": "train", "step": 20, "train_seconds": 9.0, "skipped_updates": 1},
+               {"split": "train", "step": 20, "train_seconds": 9.0, "skipped_updates": 1, "steps_per_second": 2.5},
                {"split": "train", "step": 30, "train_seconds": 14.0, "skipped_updates": 4}]  # after the resumed step
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert trainer.previous_train_totals(str(tmp_path), 20) == (9.0, 3)
-    assert trainer.previous_train_totals(str(tmp_path), 0) == (0.0, 0)
+    assert trainer.previous_train_totals(str(tmp_path), 20) == (9.0, 3, 2.5)
+    assert trainer.previous_train_totals(str(tmp_path), 0) == (0.0, 0, 0.0)
 
 
 def test_the_budget_asks_for_a_fetch_where_it_runs_out_and_says_when_it_is_spent():

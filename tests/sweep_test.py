@@ -252,6 +252,87 @@ def test_a_run_still_running_on_this_host_is_not_started_twice(tmp_path):
     assert lines == [f"skip seed=1: already running as pid {os.getpid()} (another sweep of this directory)"]
 
 
+def test_a_run_killed_hard_on_another_host_is_stopped_once_its_workdir_lock_says_so(tmp_path):
+    from transformer import workdir as workdirs
+    now, hour = time.time(), 3600.0
+    target = {"num_train_steps": 10, "max_train_minutes": 0.0}
+
+    def state(name, started, heartbeat=None, scores_step=None):
+        fake_run(tmp_path, name, {"state": "running", "pid": 4242, "host": "node-17", "started": started},
+                 scores_step)
+        if heartbeat is not None:  # the lock train.py holds on the node, refreshed every minute while it lives
+            (tmp_path / name / "lock.json").write_text(json.dumps({
+                "host": "node-17", "pid": 4242, "token": "t" + name, "started": workdirs._now_text(started),
+                "heartbeat": workdirs._now_text(heartbeat)}))
+        return sweep_runner.run_state(str(tmp_path / name), target)
+
+    assert state("starting", now - 30)[0] == "running"  # not yet locked: it may still be importing
+    assert state("beating", now - hour, heartbeat=now - 30)[0] == "running"
+    stale, status = state("stale", now - hour, heartbeat=now - hour / 2)
+    assert stale == "stopped" and status["error"].startswith("killed hard: its workdir lock is stale: its last "
+                                                             "heartbeat was 30 min ago")
+    unlocked, status = state("unlocked", now - hour)
+    assert unlocked == "stopped" and "no job has held its workdir lock in the 1h00m" in status["error"]
+    assert state("finished", now - hour, scores_step=10)[0] == "done"  # its wrapper died after the scores
+
+
+def test_a_point_ended_by_its_time_budget_is_done_and_reported_by_its_final_scores(tmp_path):
+    """A time-budgeted point (num_train_steps an upper bound) is done when its run ended by the budget under the
+    point's settings: a rerun skips it, and collect reports scores.json's final scores, not in-training BLEU."""
+    overrides = {**TINY_OVERRIDES, "train.num_train_steps": 1000, "train.max_train_minutes": 1e-4,
+                 "decode.bleu_splits": "valid", "train.bleu_every_steps": 1}
+    sweep_file = tmp_path / "timed.py"
+    sweep_file.write_text(f"def get_sweep():\n    return [{overrides!r}]\n")
+    sweep_dir = tmp_path / "sweep"
+    (name,) = sweep_runner.run_names([overrides])
+    result = run_sweep_script(f"--sweep={sweep_file}", f"--sweep_dir={sweep_dir}")
+    assert result.returncode == 0 and f"{name}: done" in result.stdout, result.stderr[-3000:]
+    scores = json.loads((sweep_dir / name / "scores.json").read_text())
+    assert scores["step"] < 1000 and scores["end"]["reason"].startswith("the time budget")
+    again = run_sweep_script(f"--sweep={sweep_file}", f"--sweep_dir={sweep_dir}")
+    assert again.returncode == 0 and f"skip {name}: done" in again.stdout and f"start {name}" not in again.stdout
+    (row,) = sweep_results.collect(str(sweep_dir))[1]
+    assert row["status"] == "done" and row["scored"] == "final" and row["step"] == scores["step"]
+    assert row["dev_bleu"] == scores["bleu"]["valid"]["bleu"]
+    assert f"| {scores['step']} (timed) |" in (sweep_dir / "results.md").read_text()
+
+
+def test_an_emitted_slurm_script_stops_its_run_on_the_signal_and_requeues_on_75(tmp_path):
+    """SLURM's stop signal (--signal=TERM@300) reaches the job step, scripts/sweep.py, which passes it to train.py;
+    the run commits and exits 75, and the script requeues its job. srun and scontrol are stand-ins here that
+    record their calls (no SLURM on this machine); the sweep, the run and the signal are real."""
+    overrides = {**TINY_OVERRIDES, "train.num_train_steps": 100000}
+    sweep_file = tmp_path / "long.py"
+    sweep_file.write_text(f"def get_sweep():\n    return [{overrides!r}]\n")
+    sweep_dir = tmp_path / "sweep"
+    (name,) = sweep_runner.run_names([overrides])
+    assert run_sweep_script(f"--sweep={sweep_file}", f"--sweep_dir={sweep_dir}", "--emit=slurm").returncode == 0
+    script = sweep_dir / "slurm" / f"{name}.sh"
+    assert "#SBATCH --signal=TERM@300" in script.read_text() and "#SBATCH --requeue" in script.read_text()
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f'#!/bin/bash\necho "srun $*" >> {calls}\nwhile [[ $1 == --* ]]; do shift; done\n'
+                                  'exec "$@"\n')
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "scontrol $*" >> {calls}\n')
+    for tool in ("srun", "scontrol"):
+        os.chmod(bin_dir / tool, 0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "PYTHON": sys.executable}
+    job = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    workdir, deadline = sweep_dir / name, time.time() + 120
+    while not (workdir / "lock.json").exists():  # train.py is up, its stop handlers installed
+        assert job.poll() is None and time.time() < deadline, job.communicate()[0][-3000:]
+        time.sleep(0.1)
+    (step_pid,) = map(int, open(f"/proc/{job.pid}/task/{job.pid}/children").read().split())  # the job step
+    os.kill(step_pid, signal.SIGTERM)
+    output, _ = job.communicate(timeout=120)
+    assert job.returncode == 75, output[-3000:]
+    assert calls.read_text().splitlines()[0].startswith("srun --ntasks=1 ")
+    assert calls.read_text().splitlines()[1:] == ["scontrol requeue 4242"]
+    status = json.loads((workdir / sweep_runner.STATUS).read_text())
+    assert status["state"] == "stopped" and status["returncode"] == 75 and not (workdir / "lock.json").exists()
+
+
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [{"name": f"x={x}", "model.x": x, "status": "done", "dev_bleu": 10.0 * x, "dev_loss": 3.0 / x}
@@ -346,7 +427,7 @@ def test_a_stopped_sweep_resumes_its_run_from_the_checkpoint(tmp_path):
         time.sleep(0.2)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 130 and "interrupted" in stderr
+    assert process.returncode == 75 and "interrupted" in stderr  # its run committed a checkpoint: resumable
     assert json.loads((sweep_dir / name / sweep_runner.STATUS).read_text())["state"] == "stopped"
     assert sweep_results.collect(str(sweep_dir))[1][0]["status"] == "stopped"
 

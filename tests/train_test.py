@@ -339,8 +339,14 @@ def test_a_time_budget_stops_the_run_then_the_last_checkpoints_are_averaged_and_
                                  "decode.average_last": 2, "decode.bleu_splits": "valid"})
     first = trainer.Run(config, str(workdir)).train()
     assert first["step"] == 1 and "averaged_steps" not in first  # 6 ms of budget are spent by the first log
-    second = trainer.Run(config, str(workdir)).train()  # resumes already over budget: one more step
+    assert first["end"]["reason"].startswith("the time budget of train.max_train_minutes=0.0001 is spent")
+    again = trainer.Run(config, str(workdir)).train()  # the same command: evaluated again, trained no further
+    assert again["step"] == 1 and again["end"]["reason"].endswith("was spent")
+    assert [r["step"] for r in metric_records(workdir) if r["split"] == "train"] == [1]
+    config.train.num_train_steps, config.train.max_train_minutes = 2, 10.0  # a larger budget: one more step
+    second = trainer.Run(config, str(workdir)).train()
     assert second["step"] == 2 and second["averaged_steps"] == [1, 2]
+    assert second["end"] == {"reason": "train.num_train_steps", "num_train_steps": 2, "max_train_minutes": 10.0}
     assert first["train_seconds"] >= 60e-4
     # The resumed run counts on from the first run's seconds: its total is those plus its one step's window.
     records = metric_records(workdir)

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from transformer import files, metrics
 from transformer.sweep import SweepError
-from transformer.sweep_runner import MANIFEST, format_seconds, name_value, run_state
+from transformer.sweep_runner import MANIFEST, format_seconds, is_complete, name_value, run_state
 
 
 def read_metrics(workdir: str) -> dict[str, dict[int, dict]]:
@@ -29,13 +29,16 @@ def _last(records: dict[int, dict], key: str):
     return records[max(records)].get(key) if records else None
 
 
-def run_row(workdir: str, num_train_steps: int) -> tuple[dict[str, Any], dict[str, list]]:
-    """One run's results and its curves (loss and dev BLEU against steps)."""
+def run_row(workdir: str, target: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list]]:
+    """One run's results and its curves (loss and dev BLEU against steps). A run that ended at its `target`
+    (its step count, or its time budget first) is reported by its final scores (scores.json: the averaged last
+    checkpoints, decoded with the run's search), any other by its latest in-training figures."""
+    num_train_steps = target["num_train_steps"]
     records = read_metrics(workdir)
     train, valid = records.get("train", {}), records.get("valid", {})
     dev_bleu, test_bleu = records.get("valid_bleu", {}), records.get("test_bleu", {})
     scores = files.read_json(os.path.join(workdir, "scores.json"), None, cache=True) or {}
-    complete = scores.get("step") == num_train_steps
+    complete = is_complete(workdir, target)
     bleu = scores.get("bleu", {}) if complete else {}
     tokens = sum(r.get("target_tokens", 0) for r in train.values())
     seconds = sum(r["target_tokens"] / r["tokens_per_second"] for r in train.values()
@@ -50,6 +53,8 @@ def run_row(workdir: str, num_train_steps: int) -> tuple[dict[str, Any], dict[st
         "dev_perplexity": (scores.get("valid", {}) if complete else {}).get("perplexity", _last(valid, "perplexity")),
         "step": scores["step"] if complete else (max(train) if train else None),
         "num_train_steps": num_train_steps,
+        # Which figures dev_bleu and test_bleu are: the run's final scores, or its latest in training.
+        "scored": "final" if complete and bleu else ("in training" if dev_bleu or test_bleu else ""),
         "tokens_per_second": tokens / seconds if seconds else None,
     }
     curves = {"train_loss": sorted((s, r["loss"]) for s, r in train.items() if "loss" in r),
@@ -66,11 +71,12 @@ def collect(sweep_dir: str) -> tuple[list[str], list[dict[str, Any]], dict[str, 
     axes, rows, curves = manifest["axes"], [], {}
     for run in manifest["runs"]:
         workdir = os.path.join(sweep_dir, run["name"])
-        row, curves[run["name"]] = run_row(workdir, run["num_train_steps"])
+        target = {"num_train_steps": run["num_train_steps"], "max_train_minutes": run.get("max_train_minutes")}
+        row, curves[run["name"]] = run_row(workdir, target)
         if run.get("invalid"):
             state, status = "invalid", {"error": run["invalid"]}
         else:
-            state, status = run_state(workdir, run["num_train_steps"])
+            state, status = run_state(workdir, target)
         wall = status.get("total_wall_seconds")
         if state == "running" and status.get("started"):
             wall = float(wall or 0.0) + time.time() - status["started"]
@@ -81,8 +87,8 @@ def collect(sweep_dir: str) -> tuple[list[str], list[dict[str, Any]], dict[str, 
 
 
 def write_csv(path: str, axes: list[str], rows: list[dict]) -> None:
-    columns = ["name", *axes, "status", "exit_code", "error", "dev_bleu", "best_dev_bleu", "test_bleu", "train_loss",
-               "dev_loss", "dev_perplexity", "step", "num_train_steps", "tokens_per_second", "wall_seconds"]
+    columns = ["name", *axes, "status", "exit_code", "error", "dev_bleu", "best_dev_bleu", "test_bleu", "scored",
+               "train_loss", "dev_loss", "dev_perplexity", "step", "num_train_steps", "tokens_per_second", "wall_seconds"]
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
@@ -106,8 +112,9 @@ def markdown_table(axes: list[str], rows: list[dict]) -> str:
     lines = ["| " + " | ".join(header) + " |",
              "|" + "---|" * (1 + len(labels)) + "---:|" * (len(header) - 2 - len(labels)) + "---|"]
     for row in rows:
-        steps = "" if row["step"] is None else (str(row["step"]) if row["step"] == row["num_train_steps"]
-                                                 else f"{row['step']}/{row['num_train_steps']}")
+        steps = "" if row["step"] is None else (
+            str(row["step"]) if row["step"] == row["num_train_steps"] else
+            f"{row['step']} (timed)" if row["scored"] == "final" else f"{row['step']}/{row['num_train_steps']}")
         status = row["status"]
         if status == "failed":
             status = f"failed (exit {row['exit_code']}): {row['error']}"

@@ -34,7 +34,7 @@ import ml_collections
 from transformer import files
 from transformer.files import write_json
 from transformer.sweep import SweepError
-from transformer.workdir import CONFIG_FILE, pid_alive
+from transformer.workdir import CONFIG_FILE, LOCK_FILE, pid_alive, read_lock, stale_reason, this_machine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_SCRIPT = os.path.join(ROOT, "train.py")
@@ -149,6 +149,12 @@ class Point:
     @property
     def num_train_steps(self) -> int:
         return int(self.config.train.num_train_steps)
+
+    @property
+    def target(self) -> dict[str, Any]:
+        """The settings that decide where its run ends: a step count, and a time budget that may end it first."""
+        return {"num_train_steps": self.num_train_steps,
+                "max_train_minutes": float(self.config.train.get("max_train_minutes", 0.0))}
 
 
 def _type_error(key: str, old: Any, value: Any) -> str | None:
@@ -320,16 +326,23 @@ def device_slots(parallel: int, gpus: list[str] | None = None, cpus: list[int] |
 
 # The records a sweep reads (its own sweep_status.json, a run's scores.json) are read with cache=True: one torn by a
 # kill is warned about and read as absent, so that the sweep goes on.
-def is_complete(workdir: str, num_train_steps: int) -> bool:
-    """train.py writes scores.json last: at the configured step count it is a finished run."""
+def is_complete(workdir: str, target: dict[str, Any]) -> bool:
+    """train.py writes scores.json last, recording why the run ended and the settings that decided it
+    (`end`): a run is finished when those are the point's `target`, whether it reached num_train_steps or its
+    time budget ended it first. A scores.json without `end` (older runs) counts at the step count only."""
     scores = files.read_json(os.path.join(workdir, "scores.json"), None, cache=True)
-    return bool(scores) and scores.get("step") == num_train_steps
+    if not scores:
+        return False
+    end = scores.get("end")
+    if end is None:
+        return scores.get("step") == target["num_train_steps"]
+    return all(end.get(key) == value for key, value in target.items() if value is not None)
 
 
 def is_done(point: Point, workdir: str) -> bool:
     """Complete, and by this point's config: a workdir trained with other shared overrides (names hold only
     the swept keys) is not skipped; relaunching it lets train.py refuse it, naming the difference."""
-    if not is_complete(workdir, point.num_train_steps):
+    if not is_complete(workdir, point.target):
         return False
     from transformer.settings import check_resume_config  # imports jax: only for a finished run
 
@@ -370,23 +383,48 @@ def read_tail(path: str, size: int = 65536) -> str:
         return ""
 
 
-def run_state(workdir: str, num_train_steps: int) -> tuple[str, dict]:
+# A run on another host is judged by its workdir lock as train.py's own lock is: gone once no heartbeat came for this
+# long (or, with no lock at all, this long after its start).
+LOST_AFTER_SECONDS = 600.0
+
+
+def lost_reason(workdir: str, status: dict, now: float | None = None) -> str | None:
+    """Why a run recorded as running is known to be gone (killed hard: SIGKILL, an OOM kill, a lost node), or
+    None while it may live. On this host its pid decides; on another (a SLURM node) its workdir lock's heartbeat."""
+    now = time.time() if now is None else now
+    if status.get("host") == socket.gethostname():
+        pid = int(status.get("pid", 0))
+        return None if pid_alive(pid) else f"pid {pid} is no longer running on this host"
+    lock = read_lock(os.path.join(workdir, LOCK_FILE))
+    if lock is None:
+        age = now - float(status.get("started") or 0.0)
+        return (f"no job has held its workdir lock in the {format_seconds(age)} since it started on "
+                f"{status.get('host')}" if age > LOST_AFTER_SECONDS else None)
+    holder, _, modified = lock
+    reason = stale_reason(holder, modified=modified, now=now, stale_after_seconds=LOST_AFTER_SECONDS,
+                          machine=this_machine())
+    return f"its workdir lock is stale: {reason}" if reason else None
+
+
+def run_state(workdir: str, target: dict[str, Any]) -> tuple[str, dict]:
     """(state, status file) of a run: done | failed | running | stopped | pending.
 
-    The latest attempt decides: 'running' while its process lives ('stopped' when it is known dead: on this
-    host, pid gone, or interrupted), 'failed' when it exited non-zero; otherwise 'done' when scores.json is at
-    the configured step, else 'pending' (never launched, or launched with fewer steps)."""
+    The latest attempt decides: 'running' while its process may live ('stopped' when it is known gone:
+    `lost_reason`, or interrupted), 'failed' when it exited non-zero; 'done' when scores.json says it ended at
+    the point's `target` (however its wrapper ended after that), else 'pending' (never launched, or launched
+    with a smaller target)."""
     status = files.read_json(os.path.join(workdir, STATUS), None, cache=True) or {}
     state = status.get("state")
     if state == "running":
-        if status.get("host") == socket.gethostname() and not pid_alive(int(status.get("pid", 0))):
-            return "stopped", status
-        return "running", status
-    if state == "stopped":
-        return "stopped", status
+        lost = lost_reason(workdir, status)
+        if lost is None:
+            return "running", status
+        state, status = "stopped", {**status, "error": f"killed hard: {lost}"}
     if state == "exited" and status.get("returncode"):
         return "failed", status
-    return ("done" if is_complete(workdir, num_train_steps) else "pending"), status
+    if is_complete(workdir, target):
+        return "done", status
+    return ("stopped" if state == "stopped" else "pending"), status
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -398,8 +436,7 @@ def write_manifest(sweep_dir: str, config_spec: str, sweep_spec: str | None, poi
     os.makedirs(sweep_dir, exist_ok=True)
     write_json(os.path.join(sweep_dir, MANIFEST), {
         "config": config_spec, "sweep": sweep_spec, "axes": swept_keys([p.overrides for p in points]),
-        "runs": [{"name": p.name, "overrides": p.overrides, "num_train_steps": p.num_train_steps,
-                  "invalid": p.problem} for p in points]})
+        "runs": [{"name": p.name, "overrides": p.overrides, **p.target, "invalid": p.problem} for p in points]})
 
 
 @dataclasses.dataclass
@@ -457,20 +494,38 @@ def format_seconds(seconds: float | None) -> str:
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
+STOP_SIGNAL_LEAD_SECONDS = 300  # the emitted SLURM scripts' --signal=TERM@300, as scripts/slurm_train.sbatch's
+EXIT_PREEMPTED = 75  # train.py's status after a stop signal with its checkpoint committed (transformer/loop.py)
+# How long a stopped sweep waits for its runs to commit their checkpoints before it kills them: within the 300 s
+# that the emitted SLURM scripts ask between the stop signal and the time limit (--signal=TERM@300).
+STOP_GRACE_SECONDS = 240.0
+
+
+class SweepStopped(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped the sweep; `resumable` when every run it stopped committed its checkpoint (exit
+    75), so that the same command goes on from there (a SLURM script then requeues itself)."""
+
+    def __init__(self, message: str, resumable: bool = False):
+        super().__init__(message)
+        self.resumable = resumable
+
+
 def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
+    raise SweepStopped(f"signal {signum}")
 
 
 def run_points(points: list[Point], sweep_dir: str, config_spec: str, parallel: int = 1,
                echo: Callable[[str], None] = print) -> dict[str, int]:
     """Run every point not yet done, `parallel` at a time; returns {name: exit code} of those launched.
 
-    A failing run is recorded and the others go on. On Ctrl-C or SIGTERM the running children are
-    terminated and recorded as stopped; the same command later resumes them from their checkpoints."""
+    A failing run is recorded and the others go on; a run that exits 75 by itself (a stop signal sent to it)
+    is recorded as stopped. On Ctrl-C or SIGTERM the running children are sent SIGTERM, given
+    STOP_GRACE_SECONDS to commit their checkpoints, recorded as stopped, and SweepStopped is raised; the same
+    command later resumes them from their checkpoints."""
     todo = []
     for point in points:
         workdir = os.path.join(sweep_dir, point.name)
-        state, status = run_state(workdir, point.num_train_steps)
+        state, status = run_state(workdir, point.target)
         if is_done(point, workdir):
             echo(f"skip {point.name}: done")
         elif state == "running" and status.get("host") == socket.gethostname():  # two trainers, one workdir: no
@@ -492,22 +547,26 @@ def run_points(points: list[Point], sweep_dir: str, config_spec: str, parallel: 
             for child in [c for c in running if c.process.poll() is not None]:
                 running.remove(child)
                 free.append(child.slot)
-                status = finish(child)
-                results[child.point.name] = status["returncode"]
-                code = status["returncode"]
-                outcome = f"failed (exit {code}): {status['error']}" if code else "done"
+                stopped = child.process.returncode == EXIT_PREEMPTED
+                status = finish(child, state="stopped" if stopped else "exited")
+                results[child.point.name] = code = status["returncode"]
+                outcome = ("stopped with its checkpoint committed (exit 75): rerun the same command to resume it"
+                           if stopped else f"failed (exit {code}): {status['error']}" if code else "done")
                 echo(f"{child.point.name}: {outcome} in {format_seconds(status['wall_seconds'])}")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         for child in running:
             child.process.terminate()
+        deadline = time.time() + STOP_GRACE_SECONDS
         for child in running:
             try:
-                child.process.wait(timeout=30)
+                child.process.wait(timeout=max(deadline - time.time(), 0.1))
             except subprocess.TimeoutExpired:
                 child.process.kill()
-            finish(child, state="stopped")
-            echo(f"{child.point.name}: stopped; rerun the same command to resume it")
-        raise
+            status = finish(child, state="stopped")
+            results[child.point.name] = status["returncode"]
+            echo(f"{child.point.name}: stopped (exit {status['returncode']}); rerun the same command to resume it")
+        resumable = bool(running) and all(c.process.returncode == EXIT_PREEMPTED for c in running)
+        raise SweepStopped(str(interrupt), resumable) from None
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
     return results
@@ -533,7 +592,10 @@ def emit_slurm(points: list[Point], sweep_dir: str, config_spec: str, sweep_spec
     slurm_dir = os.path.join(sweep_dir, "slurm")
     logs = os.path.join(slurm_dir, "logs")
     os.makedirs(logs, exist_ok=True)
-    extra = [f"#SBATCH {option if option.startswith('-') else '--' + option}" for option in options]
+    # As scripts/slurm_train.sbatch: SIGTERM to the run 5 minutes before the time limit, whose checkpoint it commits
+    # (exit 75), and then the job requeues itself; the log is appended to across attempts.
+    stop = [f"#SBATCH --signal=TERM@{STOP_SIGNAL_LEAD_SECONDS}", "#SBATCH --requeue", "#SBATCH --open-mode=append"]
+    extra = [*stop, *(f"#SBATCH {option if option.startswith('-') else '--' + option}" for option in options)]
     python = f'"${{PYTHON:-{sys.executable}}}"'
     scripts = []
     for index, point in enumerate(points):
@@ -544,8 +606,13 @@ def emit_slurm(points: list[Point], sweep_dir: str, config_spec: str, sweep_spec
                  f"# Sweep point {index + 1} of {len(points)}. It trains: python {train}",
                  "# through scripts/sweep.py --only, which skips it when done, resumes it from its checkpoints",
                  "# otherwise, and records sweep_status.json and sweep.log in its workdir. PYTHON=... picks the",
-                 "# interpreter.", "set -euo pipefail", f"cd {shlex.quote(os.getcwd())}", *setup,
-                 f"exec {python} {shlex.join(command)}", ""]
+                 "# interpreter. Under SLURM it runs as a job step (srun), which --signal reaches; exit status 75",
+                 "# (stopped, checkpoint committed) requeues the job, whose next start resumes the run.",
+                 "set -euo pipefail", f"cd {shlex.quote(os.getcwd())}", *setup,
+                 'launch=()', 'if [ -n "${SLURM_JOB_ID:-}" ]; then launch=(srun --ntasks=1); fi', "status=0",
+                 f'${{launch[@]+"${{launch[@]}}"}} {python} {shlex.join(command)} || status=$?',
+                 f'if [ "$status" -eq {EXIT_PREEMPTED} ] && [ -n "${{SLURM_JOB_ID:-}}" ]; then',
+                 '    scontrol requeue "$SLURM_JOB_ID"', "fi", 'exit "$status"', ""]
         path = os.path.join(slurm_dir, f"{point.name}.sh")
         with open(path, "w", encoding="utf-8") as handle:
             handle.write("\n".join(lines))

@@ -101,16 +101,17 @@ def prefetch_to_device(batches: Iterator[tuple[dict, Any]], batch_sharding, size
     yield from queue
 
 
-def previous_train_totals(workdir: str, start_step: int) -> tuple[float, int]:
-    """The training seconds a stopped run had spent up to start_step (its last train record in metrics.jsonl) and
-    the non-finite updates it had skipped, so that train.max_train_minutes, the time-to-BLEU curve and
-    train.max_skipped_updates count the whole run."""
-    seconds, skipped = 0.0, 0
+def previous_train_totals(workdir: str, start_step: int) -> tuple[float, int, float]:
+    """The training seconds a stopped run had spent up to start_step (its last train record in metrics.jsonl), the
+    non-finite updates it had skipped and its last pace in steps per second, so that train.max_train_minutes, the
+    time-to-BLEU curve and train.max_skipped_updates count the whole run."""
+    seconds, skipped, pace = 0.0, 0, 0.0
     for record in metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if start_step else []:
         if record.get("split") == "train" and record.get("step", 0) <= start_step:
             seconds = record.get("train_seconds", seconds)
+            pace = record.get("steps_per_second", pace)
             skipped += int(record.get("skipped_updates", 0))
-    return seconds, skipped
+    return seconds, skipped, pace
 
 
 def committed_steps(workdir: str) -> list[int]:
@@ -257,7 +258,7 @@ class Run:
                     iterator.close()  # stops grain's worker processes, on an error or a signal too
             if stop and stop.startswith("preempted"):
                 return part.finish_preempted()
-            return part.finish(compile_seconds)
+            return part.finish(compile_seconds, stop)
         except BaseException as error:
             if part is not None:
                 part.progress.close()
@@ -293,9 +294,11 @@ class Loop:
         self.evaluation = RunEvaluation(run.evaluator, workdir, self.writer, self.progress, lambda step, bleu:
                                         run.checkpoints.save_best(step, run.state.params, bleu))
         self.peak_flops = throughput.device_peak_flops(dtype=run.plan.model_config.dtype)
-        seconds_before, skipped_before = previous_train_totals(workdir, start_step)
+        seconds_before, skipped_before, pace_before = previous_train_totals(workdir, start_step)
         self.window = loop.MetricsWindow(start_step + 1, config.nonfinite, config.max_skipped_updates, skipped_before)
         self.budget = loop.TimeBudget(config.max_train_minutes, config.log_every_steps)
+        if start_step and pace_before:  # a resumed run's budget: what is left of it at the last part's pace
+            self.budget.update(start_step, 1, seconds_before - 1 / pace_before, seconds_before)
         self.marks = loop.ReportMarks(config.report_marks, workdirs.read_reports(workdir) if start_step else {})
         self.cooldown = loop.Cooldown(run.settings.optimizer.cooldown_fraction, config.num_train_steps,
                                       run.state.opt_state, self.progress)
@@ -316,6 +319,17 @@ class Loop:
         self.part_start = (start_step, self.clock.seconds)  # this part's pace projects a timed decay's end
         self.last_step = start_step  # the last fetched step
         self.final_step = self.cooldown.final_step()
+        # Why a run that had already ended by time (budget spent, timed decay done) trains no further when started
+        # again: the same command re-evaluates it, as it does a run at num_train_steps.
+        self.ended_before = None
+        if self.budget.limited and self.budget.spent():
+            self.ended_before = f"the time budget of train.max_train_minutes={config.max_train_minutes:g} was spent"
+        elif self.final_step < config.num_train_steps and self.final_step <= start_step:
+            self.ended_before = f"the cooldown (optimizer.cooldown_fraction={self.cooldown.fraction:g}) was done"
+        if self.ended_before:
+            self.final_step = start_step
+            log.info("%s before this start, at step %d: evaluating it again, training no further", self.ended_before,
+                     start_step)
 
     @property
     def state(self) -> TrainState:
@@ -413,11 +427,17 @@ class Loop:
     def write_reports(self, reports: dict[str, Any]) -> None:
         workdirs.write_reports(self.run.workdir, reports)
 
-    def finish(self, compile_seconds: float) -> dict[str, Any]:
-        """The end of the run: the last save, the valid loss, the final (averaged) parameters scored, scores.json."""
+    def finish(self, compile_seconds: float, stop: str | None = None) -> dict[str, Any]:
+        """The end of the run: the last save, the valid loss, the final (averaged) parameters scored, scores.json.
+        `stop` is why the loop ended before num_train_steps (the budget, a timed cooldown), if it did."""
         self.progress.close()
         step = int(self.state.step)
-        result = {"step": step, "compile_seconds": compile_seconds, "train_seconds": self.clock.seconds}
+        train = self.run.settings.train
+        # What ended the run, with the settings that decided it: a sweep counts a run ended by its time budget as
+        # done only while these are still the point's.
+        end = {"reason": stop or self.ended_before or "train.num_train_steps", "num_train_steps":
+               train.num_train_steps, "max_train_minutes": train.max_train_minutes}
+        result = {"step": step, "end": end, "compile_seconds": compile_seconds, "train_seconds": self.clock.seconds}
         if self.window.skipped:  # the whole run's total, also in scores.json: the window lines are easy to miss
             result["skipped_updates"] = self.window.skipped
             log.warning("train.nonfinite=skip: %d of %d updates were skipped as non-finite in this run (limit "
