@@ -305,10 +305,16 @@ class CacheWriter:
         return self
 
     def __exit__(self, exc_type, *exc_info) -> None:
+        failure = None
         for handle in self._raw.values():
-            handle.close()
-        if exc_type is not None:  # only our own temporary folder: the caller's files stay
+            try:
+                handle.close()
+            except OSError as error:  # the buffered rest cannot be flushed (a full disk): close the others first
+                failure = failure or error
+        if exc_type is not None or failure is not None:  # only our own temporary folder: the caller's files stay
             shutil.rmtree(self.temporary, ignore_errors=True)
+        if failure is not None and exc_type is None:
+            raise failure
 
 
 def cache_record(model_path: str, split: dict[str, Any]) -> dict[str, Any]:
