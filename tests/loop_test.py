@@ -220,16 +220,25 @@ def test_a_stop_signal_is_noticed_at_the_next_step_and_the_handlers_are_put_back
     assert signal.getsignal(signal.SIGTERM) is before
 
 
-def test_a_second_signal_exits_at_once():
-    code = ("import os, signal, time\n"
-            "from transformer import loop\n"
-            "with loop.Preemption():\n"
-            "    os.kill(os.getpid(), signal.SIGINT)\n"
-            "    os.kill(os.getpid(), signal.SIGINT)\n"
-            "    time.sleep(30)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 128 + signal.SIGINT, result.stderr
-    assert "SIGINT again: exiting at once" in result.stderr
+def stop_signals(*steps: str) -> subprocess.CompletedProcess:
+    """A process under loop.Preemption that runs `steps` (lines of Python: kills, sleeps), prints what it noted
+    and then waits."""
+    code = "\n".join(["import os, signal, time", "from transformer import loop", "with loop.Preemption() as p:",
+                      *(f"    {step}" for step in steps), "    print('noted', p.received, flush=True)",
+                      "    time.sleep(30)"])
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def test_a_second_signal_exits_at_once_and_the_same_one_delivered_twice_is_one_stop():
+    other = stop_signals("os.kill(os.getpid(), signal.SIGINT)", "os.kill(os.getpid(), signal.SIGTERM)")
+    assert other.returncode == 128 + signal.SIGTERM, other.stderr
+    assert "SIGTERM again: exiting at once" in other.stderr
+    # SLURM's --signal reaches the run and the sweep that forwards it: the second copy is not a second stop.
+    twice = stop_signals("os.kill(os.getpid(), signal.SIGTERM)", "os.kill(os.getpid(), signal.SIGTERM)",
+                         "print('noted', p.received, flush=True)", "time.sleep(p.REPEAT_SECONDS + 0.5)",
+                         "os.kill(os.getpid(), signal.SIGTERM)")
+    assert twice.returncode == 128 + signal.SIGTERM, twice.stderr
+    assert twice.stdout.splitlines() == ["noted SIGTERM"] and twice.stderr.count("again: exiting at once") == 1
 
 
 @pytest.fixture(scope="module")

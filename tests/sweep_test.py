@@ -297,9 +297,13 @@ def test_a_point_ended_by_its_time_budget_is_done_and_reported_by_its_final_scor
     assert f"| {scores['step']} (timed) |" in (sweep_dir / "results.md").read_text()
 
 
+def children(pid: int) -> list[int]:
+    return [int(child) for child in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+
+
 def test_an_emitted_slurm_script_stops_its_run_on_the_signal_and_requeues_on_75(tmp_path):
-    """SLURM's stop signal (--signal=TERM@300) reaches the job step, scripts/sweep.py, which passes it to train.py;
-    the run commits and exits 75, and the script requeues its job. srun and scontrol are stand-ins here that
+    """SLURM's stop signal (--signal=TERM@300) reaches every process of the job step, scripts/sweep.py and the
+    train.py it runs, which takes the sweep's forwarded copy as the same stop; the run commits and exits 75, and the script requeues its job. srun and scontrol are stand-ins here that
     record their calls (no SLURM on this machine); the sweep, the run and the signal are real."""
     overrides = {**TINY_OVERRIDES, "train.num_train_steps": 100000}
     sweep_file = tmp_path / "long.py"
@@ -323,7 +327,10 @@ def test_an_emitted_slurm_script_stops_its_run_on_the_signal_and_requeues_on_75(
     while not (workdir / "lock.json").exists():  # train.py is up, its stop handlers installed
         assert job.poll() is None and time.time() < deadline, job.communicate()[0][-3000:]
         time.sleep(0.1)
-    (step_pid,) = map(int, open(f"/proc/{job.pid}/task/{job.pid}/children").read().split())  # the job step
+    (step_pid,) = children(job.pid)  # the job step: scripts/sweep.py
+    (train_pid,) = children(step_pid)
+    # SLURM (proctrack/cgroup) signals every process of the step: the run gets the sweep's copy too.
+    os.kill(train_pid, signal.SIGTERM)
     os.kill(step_pid, signal.SIGTERM)
     output, _ = job.communicate(timeout=120)
     assert job.returncode == 75, output[-3000:]
@@ -331,6 +338,36 @@ def test_an_emitted_slurm_script_stops_its_run_on_the_signal_and_requeues_on_75(
     assert calls.read_text().splitlines()[1:] == ["scontrol requeue 4242"]
     status = json.loads((workdir / sweep_runner.STATUS).read_text())
     assert status["state"] == "stopped" and status["returncode"] == 75 and not (workdir / "lock.json").exists()
+
+
+def test_a_second_stop_while_the_runs_commit_kills_them_and_none_outlives_the_sweep(tmp_path):
+    """The run is frozen (SIGSTOP) so that the sweep is surely in its grace period when the second signal comes."""
+    overrides = {**TINY_OVERRIDES, "train.num_train_steps": 100000}
+    sweep_file = tmp_path / "long.py"
+    sweep_file.write_text(f"def get_sweep():\n    return [{overrides!r}]\n")
+    sweep_dir = tmp_path / "sweep"
+    (name,) = sweep_runner.run_names([overrides])
+    sweep = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts", "sweep.py"), f"--sweep={sweep_file}",
+                              f"--sweep_dir={sweep_dir}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    deadline = time.time() + 120
+    while not (sweep_dir / name / "lock.json").exists():
+        assert sweep.poll() is None and time.time() < deadline, sweep.communicate()
+        time.sleep(0.1)
+    (train_pid,) = children(sweep.pid)
+    try:
+        os.kill(train_pid, signal.SIGSTOP)
+        sweep.send_signal(signal.SIGTERM)
+        time.sleep(1.0)  # the sweep has passed the stop on and waits for the frozen run
+        assert sweep.poll() is None
+        sweep.send_signal(signal.SIGINT)
+        _, stderr = sweep.communicate(timeout=60)
+        assert "SIGINT again: killing the runs" in stderr and sweep.returncode not in (0, 75), stderr[-3000:]
+        assert not os.path.exists(f"/proc/{train_pid}")  # reaped, not orphaned
+    finally:
+        if os.path.exists(f"/proc/{train_pid}"):
+            os.kill(train_pid, signal.SIGKILL)
+    assert json.loads((sweep_dir / name / sweep_runner.STATUS).read_text())["state"] == "stopped"
 
 
 def test_plot_writes_a_png(tmp_path):

@@ -352,7 +352,9 @@ class Preemption(Action):
     be committed and exits with EXIT_PREEMPTED. In start-up, compiling and the final evaluation (STOPPING_PHASES)
     the signal raises Stopped at once, and the run commits its pending save and exits with the same status; while
     it writes its scores ("finishing") the signal is noted and the run ends. A second signal exits at once (Orbax
-    commits a checkpoint by renaming it whole, so an interrupted save leaves the previous one intact).
+    commits a checkpoint by renaming it whole, so an interrupted save leaves the previous one intact), unless it is
+    the same signal within REPEAT_SECONDS: SLURM's --signal reaches every process of a job step, and a sweep
+    forwards the same SIGTERM to its runs.
 
     With several processes under jax.distributed, JAX's preemption service owns SIGTERM (the cluster's notice) and
     agrees on one step for every host (multihost_utils.reached_preemption_sync_point); SIGINT is handed to it as a
@@ -361,9 +363,11 @@ class Preemption(Action):
     acts; several processes without it get no handler (each would stop at its own step)."""
 
     STOPPING_PHASES = ("start-up", "compiling", "the final evaluation")
+    REPEAT_SECONDS = 2.0  # the same signal again this soon is the same stop, not a second one
 
     def __init__(self):
         self.received: str | None = None
+        self.received_at = 0.0  # time.monotonic() of the first signal
         self.service = jax.process_count() > 1 and _preemption_service()
         self.previous: dict[int, Any] = {}
         self.stops = False  # whether the loop stops after the step just asked about (syncs)
@@ -421,10 +425,12 @@ class Preemption(Action):
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
+        if self.received == name and time.monotonic() - self.received_at < self.REPEAT_SECONDS:
+            return  # one stop delivered twice: a scheduler signals every process of the job, and a sweep forwards it
         if self.received is not None:
             os.write(2, f"{name} again: exiting at once; the last committed checkpoint is kept\n".encode())
             os._exit(128 + signum)
-        self.received = name
+        self.received, self.received_at = name, time.monotonic()
         if self.phase in self.STOPPING_PHASES and not self.service:
             os.write(2, f"{name} during {self.phase}: stopping ({name} again: exit at once)\n".encode())
             raise Stopped(name, self.phase)

@@ -556,6 +556,14 @@ def run_points(points: list[Point], sweep_dir: str, config_spec: str, parallel: 
     except KeyboardInterrupt as interrupt:
         for child in running:
             child.process.terminate()
+        def hurry(signum, frame):  # a second stop while the runs commit: they end now, no child outlives the sweep
+            os.write(2, f"{signal.Signals(signum).name} again: killing the runs; each keeps its last committed "
+                        f"checkpoint\n".encode())
+            for child in running:
+                if child.process.poll() is None:
+                    child.process.kill()
+        signal.signal(signal.SIGTERM, hurry)
+        previous_interrupt = signal.signal(signal.SIGINT, hurry)
         deadline = time.time() + STOP_GRACE_SECONDS
         for child in running:
             try:
@@ -565,6 +573,7 @@ def run_points(points: list[Point], sweep_dir: str, config_spec: str, parallel: 
             status = finish(child, state="stopped")
             results[child.point.name] = status["returncode"]
             echo(f"{child.point.name}: stopped (exit {status['returncode']}); rerun the same command to resume it")
+        signal.signal(signal.SIGINT, previous_interrupt)
         resumable = bool(running) and all(c.process.returncode == EXIT_PREEMPTED for c in running)
         raise SweepStopped(str(interrupt), resumable) from None
     finally:
