@@ -142,6 +142,9 @@ def test_a_write_the_disk_refuses_is_one_line_naming_the_file_and_other_os_error
         raise OSError(errno.ENOSPC, "No space left on device", "/w/tokens/train-1")
     assert exit_info.value.code == 1
     assert capsys.readouterr().err.startswith("error: cannot write /w/tokens/train-1: the disk is full (No space left")
+    with pytest.raises(SystemExit), errors.messages():
+        raise PermissionError(errno.EACCES, "Permission denied", "/w/config.json")  # a read as often as a write
+    assert capsys.readouterr().err.startswith("error: cannot use /w/config.json: permission denied (Permission denied)")
     with pytest.raises(OSError, match="Input/output error"), errors.messages():
         raise OSError(errno.EIO, "Input/output error", "/w/x")  # not the disk's answer to a write: not ours to hide
 

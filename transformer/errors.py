@@ -88,9 +88,13 @@ def write_error_message(error: OSError) -> str:
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
         fix = ("free space there (or give --workdir, data.local_cache_dir or --output another disk) and run the same "
                "command again: committed checkpoints and files written whole are kept")
+    elif error.errno == errno.EROFS:
+        fix = "give the command a folder on a writable disk (--workdir, --output)"
     else:
-        fix = "make it writable or give the command a folder it may write (--workdir, --output)"
-    return f"cannot write {where}: {WRITE_ERRNOS[error.errno]} ({error.strerror}); {fix}"
+        fix = "check its permissions, or give the command a folder it may use (--workdir, --output)"
+    # EACCES and EPERM also answer reads and other calls: only a full or read-only disk is surely a write.
+    verb = "cannot write" if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS) else "cannot use"
+    return f"{verb} {where}: {WRITE_ERRNOS[error.errno]} ({error.strerror}); {fix}"
 
 
 def nearest(name: str, known: Iterable[str], count: int = 3) -> list[str]:
