@@ -114,7 +114,7 @@ def markdown_table(axes: list[str], rows: list[dict]) -> str:
     for row in rows:
         steps = "" if row["step"] is None else (
             str(row["step"]) if row["step"] == row["num_train_steps"] else
-            f"{row['step']} (timed)" if row["scored"] == "final" else f"{row['step']}/{row['num_train_steps']}")
+            f"{row['step']} (timed)" if row["status"] == "done" else f"{row['step']}/{row['num_train_steps']}")
         status = row["status"]
         if status == "failed":
             status = f"failed (exit {row['exit_code']}): {row['error']}"
