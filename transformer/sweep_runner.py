@@ -514,6 +514,34 @@ def _raise_interrupt(signum, frame):
     raise SweepStopped(f"signal {signum}")
 
 
+def stop_children(running: list, results: dict[str, int], echo: Callable[[str], None]) -> None:
+    """SIGTERM every running child, give them STOP_GRACE_SECONDS together to commit, and record them as stopped;
+    a second SIGTERM or Ctrl-C meanwhile kills them at once, so that no child outlives the sweep."""
+    for child in running:
+        child.process.terminate()
+
+    def hurry(signum, frame):
+        os.write(2, f"{signal.Signals(signum).name} again: killing the runs; each keeps its last committed "
+                    f"checkpoint\n".encode())
+        for child in running:
+            if child.process.poll() is None:
+                child.process.kill()
+    signal.signal(signal.SIGTERM, hurry)
+    previous_interrupt = signal.signal(signal.SIGINT, hurry)
+    try:
+        deadline = time.time() + STOP_GRACE_SECONDS
+        for child in running:
+            try:
+                child.process.wait(timeout=max(deadline - time.time(), 0.1))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+            status = finish(child, state="stopped")
+            results[child.point.name] = status["returncode"]
+            echo(f"{child.point.name}: stopped (exit {status['returncode']}); rerun the same command to resume it")
+    finally:
+        signal.signal(signal.SIGINT, previous_interrupt)
+
+
 def run_points(points: list[Point], sweep_dir: str, config_spec: str, parallel: int = 1,
                echo: Callable[[str], None] = print) -> dict[str, int]:
     """Run every point not yet done, `parallel` at a time; returns {name: exit code} of those launched.
@@ -554,26 +582,7 @@ def run_points(points: list[Point], sweep_dir: str, config_spec: str, parallel: 
                            if stopped else f"failed (exit {code}): {status['error']}" if code else "done")
                 echo(f"{child.point.name}: {outcome} in {format_seconds(status['wall_seconds'])}")
     except KeyboardInterrupt as interrupt:
-        for child in running:
-            child.process.terminate()
-        def hurry(signum, frame):  # a second stop while the runs commit: they end now, no child outlives the sweep
-            os.write(2, f"{signal.Signals(signum).name} again: killing the runs; each keeps its last committed "
-                        f"checkpoint\n".encode())
-            for child in running:
-                if child.process.poll() is None:
-                    child.process.kill()
-        signal.signal(signal.SIGTERM, hurry)
-        previous_interrupt = signal.signal(signal.SIGINT, hurry)
-        deadline = time.time() + STOP_GRACE_SECONDS
-        for child in running:
-            try:
-                child.process.wait(timeout=max(deadline - time.time(), 0.1))
-            except subprocess.TimeoutExpired:
-                child.process.kill()
-            status = finish(child, state="stopped")
-            results[child.point.name] = status["returncode"]
-            echo(f"{child.point.name}: stopped (exit {status['returncode']}); rerun the same command to resume it")
-        signal.signal(signal.SIGINT, previous_interrupt)
+        stop_children(running, results, echo)
         resumable = bool(running) and all(c.process.returncode == EXIT_PREEMPTED for c in running)
         raise SweepStopped(str(interrupt), resumable) from None
     finally:
