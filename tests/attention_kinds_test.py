@@ -24,8 +24,7 @@ import pytest
 from flax import nnx
 
 from configs import default
-from tiny import decode_incrementally
-from transformer.decode import beam_search, length_penalty
+from tiny import assert_beam_scores_are_teacher_forced_log_probs, decode_incrementally
 from transformer.model import ModelConfig, build
 from transformer.model.attention import DenseSelfAttention, attention
 from transformer.model.blocks import Inputs
@@ -34,7 +33,6 @@ from transformer.model.masks import SelfMask
 from transformer.model.performer import (causal_sums, feature_exponents, key_exponents, performer_attention,
                                          random_features)
 from transformer.settings import Settings
-from transformer.tokenizer import EOS_ID
 
 # Rows of 11: two sentences then padding; one filling the row; three short ones (lengths not a multiple of r).
 SEGMENTS = jnp.array([[1, 1, 1, 1, 2, 2, 2, 2, 2, 0, 0], [1] * 11, [1, 1, 2, 2, 2, 3, 3, 3, 3, 3, 0]])
@@ -152,25 +150,10 @@ def test_local_packed_rows_equal_separate_sentences(local_model):
     np.testing.assert_allclose(packed[5:], apply(local_model, source_b[None], target_b[None])[0], atol=1e-4)
 
 
-def assert_beam_scores_are_teacher_forced_log_probs(model):
-    graphdef, params = nnx.split(model)
-    params = nnx.to_pure_dict(params)
-    search = jax.jit(beam_search, static_argnames=("graphdef", "beam_size", "alpha", "max_extra_length"))
-    sequences, scores = search(params, INPUTS, graphdef=graphdef, beam_size=3, alpha=0.6, max_extra_length=6)
-    for row in range(2):
-        outputs = np.asarray(sequences[row])
-        lengths = np.array([list(s).index(EOS_ID) + 1 if EOS_ID in s else len(s) for s in outputs])
-        decoder_inputs = jnp.pad(jnp.asarray(outputs), ((0, 0), (1, 0)))[:, :-1]
-        logits = apply(model, jnp.repeat(INPUTS[row:row + 1], 3, axis=0), decoder_inputs)
-        token_log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.asarray(outputs)[..., None], -1)[..., 0]
-        log_probs = np.array([float(token_log_probs[i, :lengths[i]].sum()) for i in range(3)])
-        np.testing.assert_allclose(scores[row], log_probs / length_penalty(lengths, 0.6), rtol=1e-5, atol=1e-5)
-
-
 def test_local_beam_scores_equal_teacher_forced_log_probs(local_model):
     """Beam search reorders its beams through the ancestor table; with a ring cache the table still names, for
     each position of the window, the beam slot whose rows hold it."""
-    assert_beam_scores_are_teacher_forced_log_probs(local_model)
+    assert_beam_scores_are_teacher_forced_log_probs(local_model, INPUTS)
 
 
 LINFORMER = dataclasses.replace(LOCAL, encoder_attention="linformer", decoder_attention="dense", linformer_length=4,
@@ -372,7 +355,7 @@ def test_performer_cached_decoding_over_running_sums_equals_the_teacher_forced_p
 def test_performer_beam_scores_equal_teacher_forced_log_probs(performer_model):
     """A reordered beam takes its parent's running sums (decode_step reads the parent from the ancestor table):
     otherwise a hypothesis's score would mix another's prefix."""
-    assert_beam_scores_are_teacher_forced_log_probs(performer_model)
+    assert_beam_scores_are_teacher_forced_log_probs(performer_model, INPUTS)
 
 
 def test_performer_padding_changes_no_real_position(performer_model):

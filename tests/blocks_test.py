@@ -123,14 +123,14 @@ def test_a_pattern_builds_the_kinds_it_names_in_the_layers_it_names():
 
 @pytest.mark.parametrize("fields, message", [
     (dict(decoder_attention="dense,bogus"),
-     r"decoder_attention='dense,bogus': 'bogus' is not one of \('dense', 'local', 'performer', 'mean'\)"),
+     r"decoder_attention='dense,bogus': 'bogus' is not one of \('dense', 'local', 'performer', 'ssm', 'mean'\)"),
     (dict(encoder_attention="bogus"), r"encoder_attention='bogus' is not one of \('dense', 'local', 'linformer', "),
     (dict(cross_attention="mean"), r"cross_attention='mean' is not one of \('dense', 'performer'\)"),
     (dict(decoder_attention="dense,"), r"decoder_attention='dense,': '' is not one of"),
     (dict(decoder_attention="dense,mean", scan_layers=True),
      "scan_layers=True stacks identical layers, and decoder_attention='dense,mean' cycles 2 kinds"),
     (dict(family="decoder_only", num_encoder_layers=0, decoder_attention="mean"),
-     "which 'mean' cannot: decoder_attention='mean' must be 'dense'"),
+     "which 'mean' cannot: decoder_attention='mean' must be 'dense' or 'ssm'"),
 ])
 def test_a_kind_the_registry_or_its_place_refuses_is_named_with_the_known_kinds(fields, message):
     with pytest.raises(ValueError, match=message):

@@ -58,7 +58,8 @@ def setup(mesh_sizes, model=MODEL, num_microbatches=1):
 @functools.cache
 def one_step(mesh_sizes, num_microbatches=1, dropout_rate=0.1, kind="dense", experts=0, family="encoder_decoder"):
     kinds = {field: kind if kind in allowed_kinds(field) else "dense" for field in ATTENTION_FIELDS}
-    model = dataclasses.replace(MODEL, dropout_rate=dropout_rate, local_window=3, performer_features=16, **kinds)
+    model = dataclasses.replace(MODEL, dropout_rate=dropout_rate, local_window=3, performer_features=16, ssm_state=16,
+                                ssm_head_dim=16, ssm_chunk=5, **kinds)
     if family != "encoder_decoder":  # the two stacks' layers as one stack of the family
         stack = "num_decoder_layers" if family == "decoder_only" else "num_encoder_layers"
         model = dataclasses.replace(model, family=family, masked_side="both",
@@ -92,14 +93,20 @@ def test_one_step_with_dropout_on_a_mesh_equals_one_device(mesh_sizes):
     assert_same_step(one_step(mesh_sizes), one_step((1, 1, 1)))
 
 
-# performer by default (sums over every sublayer); local and linformer, whose parts are plain einsums, are slow
+# performer (sums over every sublayer) and ssm (a scan between chunks) by default; local and linformer, whose parts
+# are plain einsums, are slow
 @pytest.mark.parametrize("kind", [pytest.param("local", marks=pytest.mark.slow),
-                                  pytest.param("linformer", marks=pytest.mark.slow), "performer"])
+                                  pytest.param("linformer", marks=pytest.mark.slow), "performer", "ssm"])
 def test_each_attention_kind_steps_on_2x2x2_as_on_one_device(kind):
-    """Rows of 12 tokens (one sentence each) against a window of 3, a projection to 32 rows or 16 random features
-    (performer in all three sublayers): the kind's own computation (local's blocks, linformer's projection,
-    performer's sums), sharded over data, fsdp and tensor, gives the one-device step."""
-    assert_same_step(one_step((2, 2, 2), dropout_rate=0.0, kind=kind), one_step((1, 1, 1), dropout_rate=0.0, kind=kind))
+    """Rows of 12 tokens (one sentence each) against a window of 3, a projection to 32 rows, 16 random features
+    (performer in all three sublayers) or chunks of 5 (ssm, the decoder's mixer): the kind's own computation (local's
+    blocks, linformer's projection, performer's sums, the mixer's chunked scan with its inner width over tensor),
+    sharded over data, fsdp and tensor, gives the one-device step."""
+    sharded = one_step((2, 2, 2), dropout_rate=0.0, kind=kind)
+    assert_same_step(sharded, one_step((1, 1, 1), dropout_rate=0.0, kind=kind))
+    if kind == "ssm":  # [embed, inner]: embed over fsdp, the inner width (the heads' channels) over tensor
+        in_x = sharded[2].params["decoder_layers"][0]["self_attention"]["in_x"]["kernel"]
+        assert tuple(in_x[0].spec) == ("fsdp", "tensor") and in_x[1] == (16, 32), in_x
 
 
 @pytest.mark.parametrize("family", ["decoder_only", "encoder_only"])

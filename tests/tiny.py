@@ -73,6 +73,33 @@ def decode_incrementally(model, inputs, targets, **cache_options):
     return jnp.stack(logits, axis=2)
 
 
+def assert_beam_scores_are_teacher_forced_log_probs(model, inputs, beam_size=3, alpha=0.6):
+    """Beam search's final scores of each source row of inputs equal its hypotheses' log-probabilities under the
+    teacher-forced pass over their tokens (up to and including EOS), divided by the length penalty: what a search
+    that mixed up its beams' caches when reordering them could not give."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from transformer.decode import beam_search, length_penalty
+    from transformer.tokenizer import EOS_ID
+
+    graphdef, params = nnx.split(model)
+    search = jax.jit(beam_search, static_argnames=("graphdef", "beam_size", "alpha", "max_extra_length"))
+    sequences, scores = search(nnx.to_pure_dict(params), inputs, graphdef=graphdef, beam_size=beam_size, alpha=alpha,
+                               max_extra_length=6)
+    forced = nnx.jit(lambda model, source, target: model(source, target))
+    for row in range(inputs.shape[0]):
+        outputs = np.asarray(sequences[row])
+        lengths = np.array([list(s).index(EOS_ID) + 1 if EOS_ID in s else len(s) for s in outputs])
+        decoder_inputs = jnp.pad(jnp.asarray(outputs), ((0, 0), (1, 0)))[:, :-1]
+        logits = forced(model, jnp.repeat(inputs[row:row + 1], beam_size, axis=0), decoder_inputs)
+        token_log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.asarray(outputs)[..., None], -1)[..., 0]
+        log_probs = np.array([float(token_log_probs[i, :lengths[i]].sum()) for i in range(beam_size)])
+        np.testing.assert_allclose(scores[row], log_probs / length_penalty(lengths, alpha), rtol=1e-5, atol=1e-5)
+
+
 def rescored_bleu(workdir, translations, split: str) -> dict[str, float]:
     """sacreBLEU (its defaults: 13a tokens, cased, as the runs score) of a file of translations, one a line, scored
     here against the references of `split` read again from the workdir's config -> the score and the corpus's

@@ -70,11 +70,17 @@ def model_defaults() -> ml_collections.ConfigDict:
     # (docs/design.md). linformer and performer take one sentence per row: data.pack=false. A comma-separated list
     # is a per-layer pattern, cycled over the stack's layers: "local,dense" alternates them
     model.encoder_attention = "dense"  # dense | local | linformer | performer, or a pattern of them
-    model.decoder_attention = "dense"  # dense | local (itself and the window's r positions before it) | performer
+    model.decoder_attention = "dense"  # dense | local (itself and the window's r positions before it) | performer | ssm
     model.cross_attention = "dense"  # dense | performer
     model.local_window = 16  # r of local attention: keys at distance <= r (a decoding cache of r + 1 positions)
     model.linformer_length = 32  # k of linformer: the projected length (inputs up to model.max_length tokens)
     model.performer_features = 256  # m of performer: random features, drawn from config.seed (a state of m x d_k)
+    # ssm (decoder only; docs/attention.md): Mamba-2's state-space mixer, a fixed-size state per layer in decoding
+    model.ssm_state = 64  # N: the state per head is N x ssm_head_dim
+    model.ssm_expand = 2  # the mixer's inner width: ssm_expand x emb_dim
+    model.ssm_head_dim = 64  # P: heads = ssm_expand x emb_dim / P, each with its own decay
+    model.ssm_conv = 4  # taps of the causal depthwise convolution before the recurrence
+    model.ssm_chunk = 64  # tokens per chunk of the parallel (training) form: quadratic inside, scanned between
     # Mixture of experts (docs/moe.md): the feed-forward of every expert_every-th layer of each stack becomes
     # num_experts feed-forwards, each token routed to its experts_per_token best (top-k token choice) within the
     # capacity of each expert; the load-balancing and router z-losses join the training loss.

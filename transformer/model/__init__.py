@@ -2,7 +2,7 @@
 
 Reading order: transformer.py (the encoder-decoder, top to bottom) -> layers.py (embedder, residual, a layer as a
 list of blocks, the stacks) -> blocks.py (the block interface and the registry of kinds) -> the kinds:
-attention.py (dense), local.py, linformer.py, performer.py, feed_forward.py, experts.py; families.py (decoder-only,
+attention.py (dense), local.py, linformer.py, performer.py, ssm.py (Mamba-2), feed_forward.py, experts.py; families.py (decoder-only,
 encoder-only); config.py (ModelConfig and its checks); masks.py (masks and positions).
 
     model = build(ModelConfig(vocab_size=..., ...), rngs=nnx.Rngs(0))
@@ -14,7 +14,7 @@ from flax import nnx
 
 # The kinds register themselves on import, so every kind is known before any config is checked; in this order,
 # the order config messages list them in.
-from transformer.model import attention, local, linformer, performer  # noqa: F401  isort: skip
+from transformer.model import attention, local, linformer, performer, ssm  # noqa: F401  isort: skip
 from transformer.model import feed_forward, experts  # noqa: F401  isort: skip
 from transformer.model.blocks import Block, register
 from transformer.model.config import ModelConfig

@@ -120,6 +120,13 @@ class ModelConfig:
     local_window: int
     linformer_length: int
     performer_features: int
+    # The "ssm" kind (Mamba-2, ssm.py): state size N, the inner width's factor, its head size (heads = expand x
+    # emb_dim / head_dim), the convolution's taps and the chunk length of the training form.
+    ssm_state: int
+    ssm_expand: int
+    ssm_head_dim: int
+    ssm_conv: int
+    ssm_chunk: int
     num_experts: int  # mixture of experts (experts.MoEFeedForward): 0 for none
     expert_every: int
     experts_per_token: int
