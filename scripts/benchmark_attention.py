@@ -1,14 +1,21 @@
 """Cost against length, per attention kind: forward + backward time and memory of one self-attention layer and
-of a whole train step, at sequence lengths 256, 512, ..., 16384, as far as memory holds.
+of a whole train step, at sequence lengths 256, 512, ..., 16384, as far as memory holds; and the cost of decoding
+`length` tokens (time per token and memory), where a state-space decoder keeps a fixed-size state.
 
     PYTHONPATH=. python scripts/benchmark_attention.py --output_dir=runs/attention_cost
     PYTHONPATH=. python scripts/benchmark_attention.py --kinds=dense,local --max_length=4096 --output_dir=runs/ac
+    PYTHONPATH=. python scripts/benchmark_attention.py --parts=decode --kinds=dense,ssm --min_length=128 \
+        --max_length=8192 --output_dir=runs/decode_cost
 
 Writes `cost.jsonl` (one line per kind, part and length), `cost.md` (the table and the crossover lengths) and
 `cost.png` (log-log time and memory against length; the `plot` extra). The layer is the encoder's self-attention
 sublayer (projections included) on one row of `length` tokens; the step is train.py's train step of the
 model (--config, any field overridable) on one row of `length` source and `length` target tokens, the kind set
-in every sublayer that takes it (cross-attention stays dense for local and linformer; performer has all three).
+in every sublayer that takes it (cross-attention stays dense for local, linformer and ssm; performer has all three;
+ssm, a decoder kind, is measured as the decoder's causal layer). The decode part encodes a 16-token source and
+runs the model's own decode_step for `length` positions (the argmax fed back, no stop at EOS) for
+--decode_hypotheses hypotheses with beam search's cache blocks, as one jitted loop: time per token is its median
+time over `length`; memory is its plan (the cache included) and the cache's own size.
 Memory is what XLA plans for the compiled function (arguments + outputs - donated + temporaries), read before it
 runs: a length whose plan exceeds --memory_gib is recorded as out of memory and not run, which is where dense
 stops. Time is the median of --repeats runs after a
@@ -34,7 +41,9 @@ from flax import nnx  # noqa: E402
 import benchmark  # noqa: E402  (scripts/benchmark.py: its --config flag, its train-step builder and memory reading)
 
 flags.DEFINE_list("kinds", ["dense", "local", "linformer", "performer"], "Attention kinds to measure.")
-flags.DEFINE_list("parts", ["layer", "step"], "layer: one self-attention sublayer; step: the whole train step.")
+flags.DEFINE_list("parts", ["layer", "step"], "layer: one self-attention sublayer; step: the whole train step; "
+                  "decode: `length` decoding steps of the whole model.")
+flags.DEFINE_integer("decode_hypotheses", 4, "decode: hypotheses decoded together (beam 4's width).")
 flags.DEFINE_integer("min_length", 256, "First sequence length; each next one doubles it.")
 flags.DEFINE_integer("max_length", 16384, "Last sequence length.")
 flags.DEFINE_float("memory_gib", 0.0, "A point whose planned memory exceeds this is recorded as out of memory "
@@ -70,12 +79,16 @@ def with_kind(config, kind: str, length: int):
 
 
 def layer_function(config, kind: str, length: int):
-    """forward + backward of the encoder's self-attention sublayer on one row of `length` tokens."""
+    """forward + backward of the encoder's self-attention sublayer (a decoder-only kind: the decoder's) on one row
+    of `length` tokens."""
     from transformer.model import ModelConfig, blocks
     from transformer.model.masks import SelfMask
 
+    from transformer.model.config import allowed_kinds
+
     model_config = ModelConfig(vocab_size=8, **with_kind(config, kind, length).model.to_dict())
-    module = blocks.lookup("self_attention", kind)(model_config, "encoder_attention", rngs=nnx.Rngs(0))
+    field = "encoder_attention" if kind in allowed_kinds("encoder_attention") else "decoder_attention"
+    module = blocks.lookup("self_attention", kind)(model_config, field, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(module)
     x = jax.random.normal(jax.random.key(1), (1, length, model_config.emb_dim), model_config.compute_dtype)
     mask = SelfMask(jnp.ones((1, length), jnp.int32))
@@ -100,7 +113,39 @@ def step_function(config, kind: str, length: int):
     return train, (state, batch)
 
 
-def measure(function, arguments, budget: float) -> dict:
+def decode_function(config, kind: str, length: int):
+    """`length` decoding steps of the model with `kind` in its decoder's self-attention, for --decode_hypotheses
+    hypotheses of one 16-token source, the argmax fed back: the decoding loop without a search's bookkeeping."""
+    from transformer.decode import cache_blocks_for
+    from transformer.model import ModelConfig, build
+
+    config = with_kind(config, kind, length)
+    model_config = ModelConfig(vocab_size=8000, **config.model.to_dict())
+    graphdef, params = nnx.split(build(model_config, rngs=nnx.Rngs(0)))
+    hypotheses = FLAGS.decode_hypotheses
+    inputs = jnp.asarray(np.random.default_rng(0).integers(3, 8000, (1, 16)), jnp.int32)
+
+    def cache_for(params, inputs):
+        model = nnx.merge(graphdef, params)
+        return model.init_cache(model.encode(inputs), inputs, length, hypotheses=hypotheses,
+                                blocks=cache_blocks_for(0, hypotheses))
+
+    @jax.jit
+    def decode(params, inputs):
+        model = nnx.merge(graphdef, params)
+
+        def step(position, carry):
+            tokens, cache = carry
+            logits, cache = model.decode_step(tokens, position, cache)
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+        start = (jnp.zeros((1, hypotheses), jnp.int32), cache_for(params, inputs))
+        return jax.lax.fori_loop(0, length, step, start)[0]
+    cache = jax.eval_shape(cache_for, params, inputs)
+    cache_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(cache))
+    return decode, (params, inputs), {"cache_bytes": int(cache_bytes), "hypotheses": hypotheses}
+
+
+def measure(function, arguments, budget: float, per: int = 1) -> dict:
     start = time.perf_counter()
     compiled = function.lower(*arguments).compile()
     record = {"compile_seconds": time.perf_counter() - start, "memory_bytes": None}
@@ -115,7 +160,7 @@ def measure(function, arguments, budget: float) -> dict:
         times.append(time.perf_counter() - start)
         if isinstance(out, tuple) and len(out) == 2 and hasattr(out[0], "params"):
             arguments = (out[0], *arguments[1:])  # the train step donates its state
-    return {**record, "out_of_memory": False, "median_seconds": float(np.median(times[1:]))}
+    return {**record, "out_of_memory": False, "median_seconds": float(np.median(times[1:])) / per}
 
 
 def crossovers(records: list[dict]) -> dict:
@@ -146,6 +191,9 @@ def write_table(records: list[dict], path: str) -> None:
             return f"out of memory ({record['memory_bytes'] / 2**30:.1f} GiB planned)"
         if "median_seconds" not in record:
             return "not run (a shorter length ran out of memory or time)"
+        if record["part"] == "decode":
+            return (f"{record['median_seconds'] * 1e3:.3f} ms/token, {record['memory_bytes'] / 2**20:.1f} MiB "
+                    f"(cache {record['cache_bytes'] / 2**20:.2f})")
         return f"{record['median_seconds'] * 1e3:.1f} ms, {record['memory_bytes'] / 2**20:.0f} MiB"
     by_key = {(r["part"], r["kind"], r["length"]): r for r in records}
     lines = ["| part | kind | " + " | ".join(str(n) for n in lengths) + " |", "|---|---|" + "---:|" * len(lengths)]
@@ -155,7 +203,8 @@ def write_table(records: list[dict], path: str) -> None:
         f"{name}: {length if length else 'none measured'}" for name, length in sorted(crossovers(records).items()))]
     device = records[0]["device"] if records else ""
     with open(path, "w", encoding="utf-8") as handle:
-        handle.write(f"Forward + backward time (median) and planned memory, on {device}.\n\n" + "\n".join(lines) + "\n")
+        handle.write(f"Forward + backward time (median) and planned memory, on {device}; decode: time per generated "
+                     "token, planned memory (the cache's own size).\n\n" + "\n".join(lines) + "\n")
 
 
 def plot(records: list[dict], path: str) -> None:
@@ -166,15 +215,17 @@ def plot(records: list[dict], path: str) -> None:
     figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(11, 4.2))
     for part, kind in sorted({(r["part"], r["kind"]) for r in records}):
         points = sorted((r for r in records if (r["part"], r["kind"]) == (part, kind)), key=lambda r: r["length"])
-        style = dict(marker="o", linestyle="-" if part == "step" else "--", label=f"{kind} ({part})")
+        style = dict(marker="o", linestyle={"step": "-", "layer": "--"}.get(part, ":"), label=f"{kind} ({part})")
         timed = [r for r in points if "median_seconds" in r]
         time_axis.plot([r["length"] for r in timed], [r["median_seconds"] for r in timed], **style)
         planned = [r for r in points if r.get("memory_bytes")]
         memory_axis.plot([r["length"] for r in planned], [r["memory_bytes"] / 2**20 for r in planned], **style)
-    for axis, label in ((time_axis, "forward + backward seconds"), (memory_axis, "planned memory (MiB)")):
+    decode_only = {r["part"] for r in records} == {"decode"}
+    time_label = "seconds per generated token" if decode_only else "forward + backward seconds (decode: per token)"
+    for axis, label in ((time_axis, time_label), (memory_axis, "planned memory (MiB)")):
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")
-        axis.set_xlabel("sequence length (tokens)")
+        axis.set_xlabel("generated tokens" if decode_only else "sequence length (tokens)")
         axis.set_ylabel(label)
         axis.grid(True, which="both", alpha=0.3)
     time_axis.legend(fontsize=8)
@@ -191,7 +242,7 @@ def main(argv):
     lengths = [FLAGS.min_length * 2**i for i in range(64) if FLAGS.min_length * 2**i <= FLAGS.max_length]
     with open(os.path.join(FLAGS.output_dir, "cost.jsonl"), "a", encoding="utf-8") as jsonl:
         for part in FLAGS.parts:
-            build = layer_function if part == "layer" else step_function
+            build = {"layer": layer_function, "step": step_function, "decode": decode_function}[part]
             for kind in FLAGS.kinds:
                 stopped = False
                 for length in lengths:
@@ -200,7 +251,9 @@ def main(argv):
                               "linformer_length": FLAGS.config.model.linformer_length,
                               "performer_features": FLAGS.config.model.performer_features}
                     if not stopped:
-                        record.update(measure(*build(FLAGS.config, kind, length), budget))
+                        function, arguments, *extra = build(FLAGS.config, kind, length)
+                        record.update(extra[0] if extra else {})
+                        record.update(measure(function, arguments, budget, per=length if part == "decode" else 1))
                         stopped = record["out_of_memory"] or record["median_seconds"] > FLAGS.max_seconds
                     records.append(record)
                     jsonl.write(json.dumps(record) + "\n")
