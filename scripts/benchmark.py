@@ -338,8 +338,9 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
                   backend=jax.default_backend(), devices=str(jax.devices()), jax=jax.__version__,
                   batch_devices=jax.device_count() if flags.FLAGS.decode_all_devices else 1,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  model={key: getattr(config, key) for key in ("emb_dim", "num_heads", "num_encoder_layers",
-                                                               "num_decoder_layers", "mlp_dim", "vocab_size")})
+                  model={key: getattr(config, key) for key in (
+                      "emb_dim", "num_heads", "num_encoder_layers", "num_decoder_layers", "mlp_dim", "vocab_size",
+                      "family", "encoder_attention", "decoder_attention", "cross_attention")})
     first, times = timed(lambda: search(params, inputs), repeats)
     sequences = np.asarray(search(params, inputs))
     median = statistics.median(times)

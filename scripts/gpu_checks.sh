@@ -9,7 +9,9 @@
 #   3. beam-4 decoding of 3,003 sentences (newstest2014's size) with a base-size model;
 #   4. the same training step of 'base' as a decoder-only model (14 layers: the parameters of 6 + 6), as a masked
 #      LM (6 encoder layers) and with 8 experts (top-2, every other layer), xla attention, each once;
-#   5. the same training steps for 'big'.
+#   5. the hybrid state-space decoder (decoder_attention=ssm,ssm,dense): base's training step and beam-4 decoding,
+#      then decoding time per token and memory against length, ssm against dense (scripts/benchmark_attention.py);
+#   6. the same training steps for 'big'.
 # Results: $OUT/gpu_checks.jsonl (one JSON line per benchmark) and $OUT/gpu_checks.log ($OUT: runs/gpu_checks
 # unless set).
 #
@@ -40,11 +42,14 @@ if [ "${GPU_CHECKS_SMOKE:-0}" = 1 ]; then
           --config.model.mlp_dim=128 --config.model.num_heads=2 --config.model.num_encoder_layers=1
           --config.model.num_decoder_layers=1)
   TESTS=(tests/attention_test.py -k "xla or cudnn")
+  LENGTHS=(--min_length=8 --max_length=16 --repeats=1 --config.model.emb_dim=64 --config.model.mlp_dim=128
+           --config.model.num_heads=2 --config.model.num_encoder_layers=1 --config.model.num_decoder_layers=1)
 else
   ATTENTION=(cudnn xla)
   TRAIN=(--batch=96 --source_length=256 --target_length=256 --vocab_size=32000 --steps=15 --warmup=3)
   DECODE=(--batch=3003 --source_length=32 --new_tokens=40 --repeats=2 --vocab_size=32000)
   TESTS=(tests/attention_test.py)
+  LENGTHS=(--min_length=128 --max_length=8192 --repeats=2 --max_seconds=20)
 fi
 
 END=$((SECONDS + ${GPU_CHECKS_SECONDS:-540}))
@@ -88,5 +93,11 @@ variant decoder_only --config.model.family=decoder_only --config.model.num_encod
 variant encoder_only --config.model.family=encoder_only --config.model.num_decoder_layers=0 \
   --config.train.bleu_every_steps=0 --config.train.keep_best_checkpoint=false  # a masked LM has no BLEU
 variant "8 experts top-2" --config.model.num_experts=8 --config.model.experts_per_token=2 --config.model.expert_every=2
+HYBRID=--config.model.decoder_attention=ssm,ssm,dense
+variant "hybrid ssm,ssm,dense" $HYBRID
+step 150 "decode base hybrid, beam 4" python3 scripts/benchmark.py --mode=decode --config=configs/base.py $HYBRID \
+  "${DECODE[@]}" --output="$JSONL"
+step 150 "decode cost against length, ssm and dense" python3 scripts/benchmark_attention.py --parts=decode \
+  --kinds=dense,ssm --config=configs/base.py --config.model.dtype=bfloat16 "${LENGTHS[@]}" --output_dir="$OUT/decode_cost"
 [ "${GPU_CHECKS_SMOKE:-0}" = 1 ] || train big  # the plumbing of 'big' is the same as base's
 echo "== done $(date -u +%H:%M:%S)" | tee -a "$LOG"

@@ -17,11 +17,15 @@ def test_gpu_checks_script_runs_at_toy_sizes(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     log = (tmp_path / "gpu_checks.log").read_text()
-    # devices, tests, one train step, decode, and the three variants' train steps
-    assert log.count("== rc 0") == 7 and "== rc 1" not in log, log
+    # devices, tests, one train step, decode, the four variants' train steps, the hybrid's decode, decode cost
+    assert log.count("== rc 0") == 10 and "== rc 1" not in log, log
     results = [json.loads(line) for line in (tmp_path / "gpu_checks.jsonl").read_text().splitlines()]
-    assert [r["mode"] for r in results] == ["train", "decode", "train", "train", "train"]
+    assert [r["mode"] for r in results] == ["train", "decode", "train", "train", "train", "train", "decode"]
     assert results[0]["model"]["dtype"] == "bfloat16" and results[0]["model"]["emb_dim"] == 64
     variants = [(r["model"]["family"], r["model"]["num_encoder_layers"], r["model"]["num_decoder_layers"],
-                 r["model"]["num_experts"]) for r in results[2:]]
-    assert variants == [("decoder_only", 0, 2, 0), ("encoder_only", 1, 0, 0), ("encoder_decoder", 1, 1, 8)]
+                 r["model"]["num_experts"]) for r in results[2:6]]
+    assert variants == [("decoder_only", 0, 2, 0), ("encoder_only", 1, 0, 0), ("encoder_decoder", 1, 1, 8),
+                        ("encoder_decoder", 1, 1, 0)]
+    assert results[5]["model"]["decoder_attention"] == results[6]["model"]["decoder_attention"] == "ssm,ssm,dense"
+    costs = [json.loads(line) for line in (tmp_path / "decode_cost" / "cost.jsonl").read_text().splitlines()]
+    assert {(r["kind"], r["length"]) for r in costs} == {("dense", 8), ("dense", 16), ("ssm", 8), ("ssm", 16)}
