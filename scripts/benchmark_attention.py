@@ -229,7 +229,8 @@ def plot(records: list[dict], path: str) -> None:
         axis.set_ylabel(label)
         axis.grid(True, which="both", alpha=0.3)
     time_axis.legend(fontsize=8)
-    figure.suptitle(f"Attention cost against length ({records[0]['device']})" if records else "")
+    title = "Decoding cost against length" if decode_only else "Attention cost against length"
+    figure.suptitle(f"{title} ({records[0]['device']})" if records else "")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
