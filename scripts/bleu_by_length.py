@@ -63,7 +63,9 @@ def main(argv):
     if not runs:
         sys.exit("error: give at least one --run=NAME=FILE")
     lengths = [len(ids) for ids in Tokenizer(FLAGS.vocab).encode(sources_)]
-    edges = sorted(int(edge) for edge in FLAGS.edges)
+    edges = sorted({int(edge) for edge in FLAGS.edges})
+    if not edges or edges[0] < 1:
+        sys.exit(f"error: --edges={','.join(FLAGS.edges)} must be token counts >= 1")
     rows = groups(lengths, edges) + [("all", list(range(len(sources_))))]
     print("| source tokens | sentences | " + " | ".join(runs) + " |")
     print("|---|---:|" + "---:|" * len(runs))

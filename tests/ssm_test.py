@@ -186,10 +186,38 @@ def test_packed_rows_equal_separate_sentences(hybrid):
     np.testing.assert_allclose(packed[5:], apply(hybrid, source_b[None], target_b[None])[0], atol=1e-4)
 
 
+NOPE = dataclasses.replace(HYBRID, decoder_positions=False)
+
+
+def test_a_decoder_without_positions_reads_no_position_and_decodes_as_it_teacher_forces():
+    """model.decoder_positions=False (NoPE): shifting the decoder's positions changes no logit, where with
+    positions it does; the encoder keeps its own; cached decoding still equals the teacher-forced pass."""
+    shifted = dict(targets_position=jnp.arange(9)[None].repeat(2, axis=0) + 7,
+                   targets_segmentation=(DECODER_INPUTS != 0).astype(jnp.int32).at[:, 0].set(1))
+    plain = dict(targets_position=jnp.arange(9)[None].repeat(2, axis=0), targets_segmentation=shifted[
+        "targets_segmentation"])
+    for config, moves in ((NOPE, False), (HYBRID, True)):
+        model = build(config, rngs=nnx.Rngs(0))
+        change = np.abs(apply(model, INPUTS, DECODER_INPUTS, shifted) - apply(model, INPUTS, DECODER_INPUTS, plain))
+        assert (change.max() > 1e-3) == moves, (config.decoder_positions, change.max())
+    model = build(NOPE, rngs=nnx.Rngs(0))
+    moved_source = dict(inputs_position=jnp.arange(9)[None].repeat(2, axis=0) + 3,
+                        inputs_segmentation=(INPUTS != 0).astype(jnp.int32))
+    assert np.abs(apply(model, INPUTS, DECODER_INPUTS, moved_source) - apply(model, INPUTS, DECODER_INPUTS)).max() > 1e-3
+    targets = jnp.stack([DECODER_INPUTS, DECODER_INPUTS[::-1]], axis=1)
+    together = nnx.jit(decode_incrementally)(model, INPUTS, targets)
+    for hypothesis in range(2):
+        np.testing.assert_allclose(together[:, hypothesis], apply(model, INPUTS, targets[:, hypothesis]), atol=1e-4)
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(encoder_attention="ssm"), r"encoder_attention='ssm' is not one of \('dense', 'local', 'linformer', "),
     (dict(decoder_attention="ssm", ssm_head_dim=24), "ssm_head_dim=24 must divide ssm_expand x emb_dim = 64"),
-    (dict(decoder_attention="dense,ssm", ssm_chunk=0), "ssm_chunk=0 must be >= 1"),
+    (dict(cross_attention="ssm"), r"cross_attention='ssm' is not one of"),
+    (dict(decoder_attention="dense,ssm", ssm_chunk=0), "ssm_chunk=0 must all be >= 1"),
+    (dict(decoder_attention="ssm", ssm_expand=0), "ssm_expand=0, ssm_head_dim=16, ssm_conv=4, ssm_chunk=4 must all"),
+    (dict(family="decoder_only", num_encoder_layers=0, decoder_positions=False),
+     "decoder_positions=False is for family='encoder_decoder'"),
     (dict(decoder_attention="ssm,dense", scan_layers=True),
      "scan_layers=True stacks identical layers, and decoder_attention='ssm,dense' cycles 2 kinds"),
 ])

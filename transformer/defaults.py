@@ -57,6 +57,7 @@ def model_defaults() -> ml_collections.ConfigDict:
     model.relu_dropout_rate = 0.0  # dropout after the feed-forward ReLU
     model.positional_encoding = "sinusoidal"  # sinusoidal (paper) | learned
     model.max_length = 256  # positions of the learned table (unused by sinusoids)
+    model.decoder_positions = True  # False: no positions in the decoder's embeddings (NoPE; encoder_decoder only)
     model.layer_norm = "post"  # post (paper: LayerNorm(x + sublayer(x))) | pre (with a final norm per stack)
     model.layer_norm_epsilon = 1e-6  # LayerNorm epsilon
     model.share_embeddings = True  # one embedding for source and target (needs the joint vocabulary)

@@ -60,6 +60,8 @@ CHECKS = (
      "scan_layers=True needs at least one layer per stack, got num_encoder_layers={num_encoder_layers}, "
      "num_decoder_layers={num_decoder_layers}"),
     (lambda c: c.family in FAMILIES, f"family={{family!r}} is not one of {FAMILIES}"),
+    (lambda c: c.decoder_positions or c.family == "encoder_decoder",
+     "decoder_positions=False is for family='encoder_decoder': {family!r} embeds its source with the same positions"),
     (lambda c: c.masked_side in MASKED_SIDES, f"masked_side={{masked_side!r}} is not one of {MASKED_SIDES}"),
     (lambda c: 0.0 < c.mask_rate < 1.0, "mask_rate={mask_rate} must be in (0, 1)"),
 )
@@ -105,6 +107,7 @@ class ModelConfig:
     attention_dropout_rate: float
     relu_dropout_rate: float
     positional_encoding: str
+    decoder_positions: bool  # False: no positions added to the decoder's embeddings (encoder_decoder only)
     max_length: int
     layer_norm: str
     layer_norm_epsilon: float

@@ -33,18 +33,23 @@ class Embedder(nnx.Module):
                                                                               "embed"), rngs=rngs)
         self.dropout = nnx.Dropout(config.dropout_rate)
 
-    def __call__(self, tokens: Array, positions: Array, *, deterministic: bool, rngs: nnx.Rngs | None) -> Array:
-        """tokens, positions: [batch, length] int -> [batch, length, embed] in the compute dtype."""
+    def __call__(self, tokens: Array, positions: Array | None, *, deterministic: bool, rngs: nnx.Rngs | None
+                 ) -> Array:
+        """tokens, positions: [batch, length] int -> [batch, length, embed] in the compute dtype (positions None:
+        no positional term, model.decoder_positions=False)."""
         x = self.embedding(tokens) * math.sqrt(self.config.emb_dim)
+        if positions is not None:
+            x = x + self.positional_term(positions)
+        x = self.dropout(x, deterministic=deterministic, rngs=rngs)
+        return x.astype(self.config.compute_dtype)
+
+    def positional_term(self, positions: Array) -> Array:
         if self.config.positional_encoding == "learned":
             # Clamped: jnp.take would return NaN past the table, and padding positions of a long decode batch
             # can pass it. Real tokens never do: Settings and the input bound keep sources within the table, and
             # decode.output_limits ends every output within it.
-            x = x + self.position_embedding(jnp.minimum(positions, self.config.max_length - 1))
-        else:
-            x = x + sinusoidal_positions(positions, self.config.emb_dim)
-        x = self.dropout(x, deterministic=deterministic, rngs=rngs)
-        return x.astype(self.config.compute_dtype)
+            return self.position_embedding(jnp.minimum(positions, self.config.max_length - 1))
+        return sinusoidal_positions(positions, self.config.emb_dim)
 
     def logits(self, x: Array) -> Array:
         """[batch, length, embed] -> [batch, length, vocab] float32, through the transposed embedding."""

@@ -144,10 +144,10 @@ class Mamba2(blocks.Block):
     @classmethod
     def checks(cls, config, field):
         inner = config.ssm_expand * config.emb_dim
-        return [(config.ssm_state >= 1 and config.ssm_conv >= 1 and config.ssm_chunk >= 1,
-                 f"ssm_state={config.ssm_state}, ssm_conv={config.ssm_conv} and ssm_chunk={config.ssm_chunk} must be "
-                 ">= 1"),
-                (config.ssm_expand >= 1 and config.ssm_head_dim >= 1 and inner % config.ssm_head_dim == 0,
+        sizes = ("ssm_state", "ssm_expand", "ssm_head_dim", "ssm_conv", "ssm_chunk")
+        return [(all(getattr(config, size) >= 1 for size in sizes),
+                 ", ".join(f"{size}={getattr(config, size)}" for size in sizes) + " must all be >= 1"),
+                (inner % config.ssm_head_dim == 0,
                  f"ssm_head_dim={config.ssm_head_dim} must divide ssm_expand x emb_dim = {inner}")]
 
     @property

@@ -85,7 +85,8 @@ class Transformer(nnx.Module):
         layer_inputs = Inputs(self_mask=SelfMask(targets_segmentation, causal=True), real=real, encoded=encoded,
                               source_segmentation=segmentation_of(inputs, inputs_segmentation))
         positions = positions_of(decoder_inputs, targets_position)
-        x = self.target_embedder(decoder_inputs, positions, deterministic=deterministic, rngs=rngs)
+        x = self.target_embedder(decoder_inputs, positions if self.config.decoder_positions else None,
+                                 deterministic=deterministic, rngs=rngs)
         x, stats = run_layers(self.decoder_layers, x, layer_inputs, deterministic=deterministic, rngs=rngs,
                               remat=self.config.remat)
         return self.logits(x), stats
@@ -140,7 +141,8 @@ class Transformer(nnx.Module):
         positions = jnp.full(tokens.shape, position, jnp.int32)
         if "prefix_length" in cache:  # decoder_only: the target is numbered on from its source prefix (join_pair)
             positions = positions + cache["prefix_length"][:, None]
-        x = self.target_embedder(tokens, positions, deterministic=True, rngs=None)
+        x = self.target_embedder(tokens, positions if self.config.decoder_positions else None, deterministic=True,
+                                 rngs=None)
         step = Step(position, batch=tokens.shape[0], hypotheses=tokens.shape[1], source_mask=cache["source_mask"],
                     history=history)
         x, layers = decode_layers(self.decoder_layers, x, cache["layers"], step)
