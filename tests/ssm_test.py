@@ -192,16 +192,16 @@ NOPE = dataclasses.replace(HYBRID, decoder_positions=False)
 def test_a_decoder_without_positions_reads_no_position_and_decodes_as_it_teacher_forces():
     """model.decoder_positions=False (NoPE): shifting the decoder's positions changes no logit, where with
     positions it does; the encoder keeps its own; cached decoding still equals the teacher-forced pass."""
-    shifted = dict(targets_position=jnp.arange(9)[None].repeat(2, axis=0) + 7,
-                   targets_segmentation=(DECODER_INPUTS != 0).astype(jnp.int32).at[:, 0].set(1))
-    plain = dict(targets_position=jnp.arange(9)[None].repeat(2, axis=0), targets_segmentation=shifted[
-        "targets_segmentation"])
+    positions = jnp.arange(9)[None].repeat(2, axis=0)
+    segmentation = (DECODER_INPUTS != 0).astype(jnp.int32).at[:, 0].set(1)
+    plain = dict(targets_position=positions, targets_segmentation=segmentation)
+    shifted = dict(targets_position=positions + 7, targets_segmentation=segmentation)
     for config, moves in ((NOPE, False), (HYBRID, True)):
         model = build(config, rngs=nnx.Rngs(0))
         change = np.abs(apply(model, INPUTS, DECODER_INPUTS, shifted) - apply(model, INPUTS, DECODER_INPUTS, plain))
         assert (change.max() > 1e-3) == moves, (config.decoder_positions, change.max())
     model = build(NOPE, rngs=nnx.Rngs(0))
-    moved_source = dict(inputs_position=jnp.arange(9)[None].repeat(2, axis=0) + 3,
+    moved_source = dict(inputs_position=positions + 3,
                         inputs_segmentation=(INPUTS != 0).astype(jnp.int32))
     assert np.abs(apply(model, INPUTS, DECODER_INPUTS, moved_source) - apply(model, INPUTS, DECODER_INPUTS)).max() > 1e-3
     targets = jnp.stack([DECODER_INPUTS, DECODER_INPUTS[::-1]], axis=1)
