@@ -307,7 +307,7 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
 
     from flax import nnx
 
-    from transformer import decode
+    from transformer import batching, decode
     from transformer.model import build as build_model
     from transformer.settings import Settings
 
@@ -325,8 +325,8 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
     inputs = np.random.default_rng(1).integers(3, config.vocab_size, size=(batch, source_length)).astype(np.int32)
     if flags.FLAGS.decode_all_devices:
         from transformer import sharding
-        batch_sharding = decode.batch_sharding_for()
-        if decode.device_rows(batch, batch_sharding) != batch:
+        batch_sharding = batching.batch_sharding_for()
+        if batching.device_rows(batch, batch_sharding) != batch:
             raise app.UsageError(f"--batch={batch} cannot be split into whole rows over {jax.device_count()} devices")
         inputs = sharding.place_batch({"inputs": inputs}, batch_sharding)["inputs"]
     # Every sentence may produce source_length + max_extra_length = new_tokens tokens, and without early stopping

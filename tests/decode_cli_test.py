@@ -87,10 +87,32 @@ def assert_same_nbest(got: list[str], expected: list[str]) -> None:
                                    rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+def test_eval_decodes_by_mbr_with_its_flags_as_the_search_in_this_process_does(workdir, tmp_path):
+    source = workdir.parent / "in.txt"
+    flags = ["--search=mbr", "--mbr_candidates=4", "--epsilon=0.02", "--mbr_utility=bleu", "--nbest=3"]
+    result = run("eval.py", f"--workdir={workdir}", f"--input={source}", f"--output={tmp_path / 'hyp.txt'}", *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [scores] = json.loads(eval_file(workdir, "scores.in.txt-*.avg2_step6.mbr4-bleu-samples-t1-k0-p0-e0.02-extra4.json"
+                                    ).read_text())
+    assert scores["sentences"] == len(LINES)
+    restored = restore(str(workdir), average_last=2, decode_overrides=dict(
+        search="mbr", mbr_candidates=4, epsilon=0.02, mbr_utility="bleu"))
+    search = restored.settings.decode.search_fn(restored.graphdef, restored.settings.seed)
+    found = decode.search_sentences(search, restored.params, restored.tokenizer, LINES, 5, call=0)
+    assert (tmp_path / "hyp.txt").read_text().splitlines() == found.translations(restored.tokenizer)
+    nbest = (tmp_path / "hyp.nbest3.txt").read_text().splitlines()
+    assert_same_nbest(nbest, decode.nbest_lines(found.nbest(3), restored.tokenizer))
+    # The score column is the expected sentence BLEU (0-100) against the candidates, best first.
+    first = [float(line.split(" ||| ")[3]) for line in nbest if line.startswith("0 |||")]
+    assert first == sorted(first, reverse=True) and 0 < first[0] <= 100
+
+
 @pytest.mark.parametrize("tool, flags, message", [
     ("-m transformer.translate", ["--nbest=3", "--beam_size=2"],
      "--nbest=3 must be between 0 (off) and decode.beam_size=2"),
     ("eval.py", ["--max_extra_length=-1"], "--max_extra_length=-1 must be >= 0"),
+    ("eval.py", ["--search=mbr", "--mbr_from=beam", "--temperature=0.5"],
+     "--mbr_from='beam' ranks beam search's n-best list, which samples nothing"),
 ])
 def test_bad_decoding_flags_fail_naming_them(workdir, tool, flags, message):
     shutil.rmtree(workdir / "eval", ignore_errors=True)

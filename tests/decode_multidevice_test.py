@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (run by decode_devices_test.py)")
 
-from transformer import decode, sharding  # noqa: E402
+from transformer import batching, decode, sharding  # noqa: E402
 from transformer.model import build  # noqa: E402
 
 
@@ -30,7 +30,7 @@ def setup(tmp_path_factory):
 
 def test_8_devices_decode_what_one_does_in_input_order(setup):
     tokenizer, params, searches, one_device = setup
-    assert decode.device_rows(5, rows_over(jax.devices())) == 8
+    assert batching.device_rows(5, rows_over(jax.devices())) == 8
     # The default: every device, the params being on none.
     decode_setup.assert_same_hypotheses(decode_setup.decode_all(searches, params, tokenizer), one_device)
     # Reversed, each sentence lands in another row and batch: its hypotheses follow it (sampling's follow
@@ -44,7 +44,7 @@ def test_8_devices_decode_what_one_does_in_input_order(setup):
 def test_each_device_holds_its_own_rows_of_the_outputs(setup):
     tokenizer, params, searches, _ = setup
     batch_sharding = rows_over(jax.devices())
-    [(_, inputs)] = decode.budget_batches(tokenizer.encode(decode_setup.sentences(tokenizer)[:8]), rows=8)
+    [(_, inputs)] = batching.budget_batches(tokenizer.encode(decode_setup.sentences(tokenizer)[:8]), rows=8)
     streams = decode.default_streams(8)
     placed = sharding.place_batch({"inputs": inputs, "streams": np.asarray(streams)}, batch_sharding)
     sequences, _ = searches["beam"].run(params, placed["inputs"], placed["streams"])
@@ -60,7 +60,7 @@ def test_params_on_a_trainer_mesh_decode_on_its_batch_axes(setup):
     mesh = Mesh(np.asarray(jax.devices()[::-1]).reshape(2, 2, 1, 2), sharding.MESH_AXES)
     abstract = nnx.eval_shape(lambda: build(decode_setup.MODEL, rngs=nnx.Rngs(0)))
     placed = jax.device_put(params, sharding.param_shardings(abstract, params, mesh, mesh_config))
-    assert decode.batch_sharding_for(placed) == sharding.batch_sharding(mesh, mesh_config)  # what the trainer passes
+    assert batching.batch_sharding_for(placed) == sharding.batch_sharding(mesh, mesh_config)  # what the trainer passes
     beam = {"beam": searches["beam"]}  # the search with the most state to split
     decode_setup.assert_same_hypotheses(decode_setup.decode_all(beam, placed, tokenizer), {"beam": one_device["beam"]})
     with pytest.raises(ValueError, match="incompatible devices"):

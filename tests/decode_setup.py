@@ -28,7 +28,8 @@ MODEL = ModelConfig(vocab_size=VOCAB_SIZE, emb_dim=32, num_heads=4, num_encoder_
                     mlp_dim=64)
 # The searches every device and process test runs: their outputs must not depend on where the rows went.
 SEARCHES = {"greedy": {}, "beam": {"beam_size": 3, "alpha": 0.6},
-            "sampling": {"temperature": 1.0, "top_p": 0.9, "seed": 5}}
+            "sampling": {"temperature": 1.0, "top_p": 0.9, "seed": 5},
+            "mbr": {"temperature": 1.0, "epsilon": 0.02, "candidates": 4, "utility": "chrf", "seed": 5}}
 
 
 def tiny_model(seed: int = 0):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from transformer.decode import (NEG_INF, DecodeConfig, beam_search, budget_batches, cache_blocks_for,
+from transformer.batching import budget_batches
+from transformer.decode import (NEG_INF, DecodeConfig, beam_search, cache_blocks_for,
                                 greedy_search, length_penalty, make_search, nbest_lines,
                                 sampling_logits, search_sentences)
 from transformer.model import ModelConfig, build as build_model
@@ -326,6 +327,10 @@ def test_top_p_keeps_the_fewest_most_likely_tokens_that_reach_p():
     assert kept(top_p=0.99) == kept(top_p=0.0) == kept(top_p=1.0) == {0, 1, 2, 3}  # 0 and 1: off
     assert kept(top_k=2, top_p=0.99) == {1, 3}  # top-k first, then the nucleus of what is left
     assert kept(temperature=100.0, top_p=0.6) == {1, 3, 2}  # a high temperature flattens: more tokens to reach p
+    # epsilon: every token below it out, at the temperature's probabilities; the most likely one always stays.
+    assert kept(epsilon=0.1) == {1, 2, 3} and kept(epsilon=0.2) == {1, 3} and kept(epsilon=0.9) == {1}
+    assert kept(temperature=100.0, epsilon=0.2) == {0, 1, 2, 3}
+    assert kept(epsilon=0.1, top_p=0.6) == {1, 3}
 
 
 def test_top_p_sampling_draws_only_from_the_nucleus(model_and_search):

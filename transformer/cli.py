@@ -10,12 +10,14 @@ from typing import Any
 
 from absl import flags
 
-from transformer.decode import PENALTIES, DecodeConfig
+from transformer.decode import MBR_SOURCES, PENALTIES, SEARCHES, DecodeConfig
+from transformer.mbr import UTILITIES
 from transformer.restore import Restored, load_workdir_config, restore
 
 # Flags of both tools that override the workdir config's decode section when given.
 COMMAND_LINE_OVERRIDES = ("batch_size", "max_tokens_per_batch", "beam_size", "alpha", "length_penalty",
-                          "max_extra_length")
+                          "max_extra_length", "temperature", "top_k", "top_p", "epsilon", "search", "mbr_candidates",
+                          "mbr_from", "mbr_utility")
 
 
 def define_command_line_flags(unit: str) -> None:
@@ -35,6 +37,17 @@ def define_command_line_flags(unit: str) -> None:
                          "(default: the config's decode.max_extra_length).")
     flags.DEFINE_integer("max_tokens_per_batch", None, f"At most this many {unit} x padded source length per "
                          "decoding batch; 0: no budget (default: the config's decode.max_tokens_per_batch).")
+    flags.DEFINE_float("temperature", None, "> 0: sample at this temperature (beam_size 1), or MBR's samples' "
+                       "(default: the config's decode.temperature).")
+    flags.DEFINE_integer("top_k", None, "Sampling among the k most likely tokens (default: decode.top_k).")
+    flags.DEFINE_float("top_p", None, "Nucleus sampling's p (default: decode.top_p).")
+    flags.DEFINE_float("epsilon", None, "Sampling drops tokens below this probability (default: decode.epsilon).")
+    flags.DEFINE_enum("search", None, list(SEARCHES), "mbr: minimum Bayes risk over --mbr_candidates candidates "
+                      "(default: the config's decode.search).")
+    flags.DEFINE_integer("mbr_candidates", None, "MBR's candidates per sentence (default: decode.mbr_candidates).")
+    flags.DEFINE_enum("mbr_from", None, list(MBR_SOURCES), "MBR's candidates: samples or a beam's n-best "
+                      "(default: decode.mbr_from).")
+    flags.DEFINE_enum("mbr_utility", None, list(UTILITIES), "MBR's utility (default: decode.mbr_utility).")
 
 
 def command_line_settings(saved: Mapping[str, Any], *, step: int | None, average_last: int | None, best: bool,

@@ -43,24 +43,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
-from transformer import config_files, data, sharding
-from transformer.console import log
+from transformer import batching, config_files, data, mbr, sharding
 from transformer.model.config import ModelConfig
 from transformer.tokenizer import EOS_ID, PAD_ID, Tokenizer
 
 PyTree = Any
 PENALTIES = ("gnmt", "fairseq")
+SEARCHES = ("auto", "mbr")  # auto: greedy, beam or sampling by beam_size and temperature; mbr: mbr.py's choice
+MBR_SOURCES = ("samples", "beam")
 # A large finite "minus infinity": sums and divisions of it stay finite, so no NaN can enter the top-k.
 NEG_INF = -1.0e7
 
@@ -83,6 +82,11 @@ class DecodeConfig:
     cache_blocks: int
     max_input_length: int
     max_tokens_per_batch: int
+    epsilon: float
+    search: str
+    mbr_candidates: int
+    mbr_from: str
+    mbr_utility: str
 
     def __post_init__(self):
         if self.batch_size <= 0:
@@ -103,13 +107,34 @@ class DecodeConfig:
                              f"decode.average_last={self.average_last} must be >= 0")
         if not 0.0 <= self.top_p <= 1.0:
             raise ValueError(f"decode.top_p={self.top_p} must be in [0, 1] (0 or 1: off)")
-        if self.temperature > 0 and self.beam_size > 1:  # sampling used to win silently over the beam
+        if not 0.0 <= self.epsilon < 1.0:
+            raise ValueError(f"decode.epsilon={self.epsilon} must be in [0, 1) (0: off)")
+        if self.search == "mbr":
+            self._check_mbr()
+        elif self.search != "auto":
+            raise ValueError(f"decode.search={self.search!r} must be one of {SEARCHES}")
+        elif self.temperature > 0 and self.beam_size > 1:  # sampling used to win silently over the beam
             raise ValueError(f"decode.temperature={self.temperature} samples one hypothesis per sentence; "
                              f"decode.beam_size={self.beam_size} asks for beam search: set one of them to "
                              "its default (temperature 0 or beam_size 1)")
         if self.max_input_length < 0 or self.max_tokens_per_batch < 0:
             raise ValueError(f"decode.max_input_length={self.max_input_length} and decode.max_tokens_per_batch="
                              f"{self.max_tokens_per_batch} must be >= 0 (0: data.max_length, and no budget)")
+
+    def _check_mbr(self) -> None:
+        if self.mbr_candidates < 1:
+            raise ValueError(f"decode.mbr_candidates={self.mbr_candidates} must be >= 1")
+        if self.mbr_from not in MBR_SOURCES:
+            raise ValueError(f"decode.mbr_from={self.mbr_from!r} must be one of {MBR_SOURCES}")
+        mbr.metric(self.mbr_utility)  # names the field and the choices when it is none of them
+        if self.mbr_from == "beam" and (self.temperature > 0 or self.epsilon > 0 or self.top_k or self.top_p):
+            raise ValueError("decode.mbr_from='beam' ranks beam search's n-best list, which samples nothing: "
+                             "leave decode.temperature, epsilon, top_k and top_p at 0, or set mbr_from='samples'")
+
+    @property
+    def mbr_temperature(self) -> float:
+        """MBR's sampling temperature: decode.temperature, its default 0 read as 1 (unbiased samples of the model)."""
+        return self.temperature or 1.0
 
     def input_bound(self, data_max_length: int, position_limit: int | None) -> int:
         """The most source tokens (EOS included) a sentence is decoded from: decode.max_input_length, else the
@@ -119,10 +144,16 @@ class DecodeConfig:
 
     @property
     def search_tag(self) -> str:
-        """The settings that change what the search finds, as a file-name part: greedy, beam4-gnmt0.6 or
-        sample-t1-k0-p0.9, then -extra<max_extra_length> (e.g. beam4-gnmt0.6-extra50)."""
-        if self.temperature > 0:
-            search = f"sample-t{self.temperature:g}-k{self.top_k}-p{self.top_p:g}"
+        """The settings that change what the search finds, as a file-name part: greedy, beam4-gnmt0.6,
+        sample-t1-k0-p0.9 (-e0.02 with epsilon) or mbr16-chrf- and its source (samples-t1-k0-p0-e0.02, beam-gnmt0.6),
+        then -extra<max_extra_length> (e.g. beam4-gnmt0.6-extra50)."""
+        sampled = f"t{self.mbr_temperature:g}-k{self.top_k}-p{self.top_p:g}"
+        sampled += f"-e{self.epsilon:g}" if self.epsilon else ""
+        if self.search == "mbr":
+            source = f"samples-{sampled}" if self.mbr_from == "samples" else f"beam-{self.length_penalty}{self.alpha:g}"
+            search = f"mbr{self.mbr_candidates}-{self.mbr_utility}-{source}"
+        elif self.temperature > 0:
+            search = f"sample-{sampled}"
         elif self.beam_size == 1:
             search = "greedy"
         else:
@@ -131,11 +162,18 @@ class DecodeConfig:
 
     def search_fn(self, graphdef: nnx.GraphDef, seed: int, *, scores: bool = False) -> Search:
         """The configured search; `scores` makes greedy search and sampling score their hypothesis too (beam
-        search always does), as n-best lists need."""
-        return make_search(graphdef, max_extra_length=self.max_extra_length, beam_size=self.beam_size,
-                           alpha=self.alpha, penalty=self.length_penalty, early_stopping=self.early_stopping,
-                           temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed,
-                           cache_blocks=self.cache_blocks, scores=scores)
+        search always does), as n-best lists need. With search=mbr: mbr_candidates samples or n-best entries per
+        sentence, ranked on the host by mbr_utility (search_sentences)."""
+        common = dict(max_extra_length=self.max_extra_length, alpha=self.alpha, penalty=self.length_penalty,
+                      early_stopping=self.early_stopping, top_k=self.top_k, top_p=self.top_p, epsilon=self.epsilon,
+                      seed=seed, cache_blocks=self.cache_blocks)
+        if self.search != "mbr":
+            return make_search(graphdef, beam_size=self.beam_size, temperature=self.temperature, scores=scores,
+                               **common)
+        samples = self.mbr_from == "samples"
+        return make_search(graphdef, beam_size=1 if samples else self.mbr_candidates, scores=True,
+                           temperature=self.mbr_temperature if samples else 0.0,
+                           candidates=self.mbr_candidates if samples else 1, utility=self.mbr_utility, **common)
 
     @property
     def splits(self) -> list[str]:
@@ -146,7 +184,13 @@ class DecodeConfig:
         return splits
 
     def check_nbest(self, nbest: int) -> None:
-        """--nbest=N lists the N best finished hypotheses of beam search (one for greedy search)."""
+        """--nbest=N lists the N best finished hypotheses of beam search (one for greedy search), or MBR's N
+        distinct candidates of highest expected utility."""
+        if self.search == "mbr":
+            if not 0 <= nbest <= self.mbr_candidates:
+                raise ValueError(f"--nbest={nbest} must be between 0 (off) and decode.mbr_candidates="
+                                 f"{self.mbr_candidates}")
+            return
         if nbest < 0 or nbest > self.beam_size:
             raise ValueError(f"--nbest={nbest} must be between 0 (off) and decode.beam_size={self.beam_size}: "
                              "beam search keeps that many finished hypotheses")
@@ -198,11 +242,18 @@ def cache_blocks_for(cache_blocks: int, beam_size: int) -> int:
 # Greedy search and sampling: one hypothesis per sentence
 
 
-def sampling_logits(logits: jax.Array, temperature: float, top_k: int = 0, top_p: float = 0.0) -> jax.Array:
-    """logits [rows, vocab] -> logits / temperature with every token outside the top_k (when > 0) and then
-    outside the nucleus (when 0 < top_p < 1: the fewest most likely tokens whose probability reaches top_p;
-    Holtzman et al. 2020) set to NEG_INF. Tokens tied with the nucleus' least likely one stay in."""
+def sampling_logits(logits: jax.Array, temperature: float, top_k: int = 0, top_p: float = 0.0,
+                    epsilon: float = 0.0) -> jax.Array:
+    """logits [rows, vocab] -> logits / temperature with every token of probability below epsilon (when > 0, at
+    that temperature; the most likely token always stays: Hewitt et al. 2022, Freitag et al. 2023's MBR samples),
+    then outside the top_k (when > 0) and then outside the nucleus (when 0 < top_p < 1: the fewest most likely
+    tokens whose probability reaches top_p; Holtzman et al. 2020) set to NEG_INF. Tokens tied with the nucleus'
+    least likely one stay in."""
     logits = logits / temperature
+    if epsilon > 0.0:
+        probs = jax.nn.softmax(logits, axis=-1)
+        keep = (probs >= epsilon) | (logits >= jnp.max(logits, axis=-1, keepdims=True))
+        logits = jnp.where(keep, logits, NEG_INF)
     if top_k > 0:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits >= kth, logits, NEG_INF)
@@ -222,6 +273,17 @@ def row_keys(seed: int, streams: jax.Array) -> jax.Array:
     return jax.vmap(lambda stream: jax.random.fold_in(jax.random.fold_in(base, stream[0]), stream[1]))(streams)
 
 
+def candidate_keys(keys: jax.Array, candidates: int) -> jax.Array:
+    """[rows] keys -> [rows * candidates]: candidate 0 of a row draws with the row's own key (so one candidate is
+    plain sampling's sample), candidate j > 0 with fold_in(key, j)."""
+    if candidates == 1:
+        return keys
+    folded = jax.vmap(lambda key: jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(candidates)))(keys)
+    own = (jnp.arange(candidates) == 0)[None, :, None]
+    chosen = jnp.where(own, jax.random.key_data(keys)[:, None], jax.random.key_data(folded))
+    return jax.random.wrap_key_data(chosen.reshape(-1, chosen.shape[-1]), impl=jax.random.key_impl(keys))
+
+
 def default_streams(batch: int, call: int = 0) -> jax.Array:
     """Rows 0..batch-1 as sentences 0..batch-1 of call `call` (a batch passed to a search directly)."""
     return jnp.stack([jnp.full((batch,), call, jnp.int32), jnp.arange(batch, dtype=jnp.int32)], axis=1)
@@ -229,28 +291,33 @@ def default_streams(batch: int, call: int = 0) -> jax.Array:
 
 def greedy_search(params: PyTree, inputs: jax.Array, streams: jax.Array | None = None, *, graphdef: nnx.GraphDef,
                   max_extra_length: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0,
-                  seed: int = 0, cache_blocks: int = 0, alpha: float = 0.0, penalty: str = "gnmt",
-                  return_scores: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """inputs [batch, src_length] -> output ids [batch, src_length + max_extra_length], padded with 0 after EOS.
+                  epsilon: float = 0.0, seed: int = 0, cache_blocks: int = 0, alpha: float = 0.0,
+                  penalty: str = "gnmt", return_scores: bool = False, candidates: int = 1
+                  ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """inputs [batch, src_length] -> output ids [batch * candidates, src_length + max_extra_length], padded with 0
+    after EOS; row s * candidates + j is candidate j of sentence s (one per sentence by default).
 
-    temperature 0 takes the argmax (greedy search); temperature > 0 samples from `sampling_logits` (top_k,
-    top_p), row r at position t with key fold_in(row_keys(seed, streams)[r], t); streams [batch, 2] (call,
-    sentence index), default_streams when None. Stops once every row has produced EOS (rows of all-padding
-    inputs count as finished). cache_blocks: the self-attention cache's blocks (Transformer.init_cache; 0:
-    cache_blocks_for's choice, 1); the outputs are the same up to float rounding. return_scores: also
-    [batch] log P(output) / length_penalty(length, alpha, penalty), log P under the model itself (temperature 1).
+    temperature 0 takes the argmax (greedy search); temperature > 0 samples from `sampling_logits` (epsilon, top_k,
+    top_p), candidate j of row r at position t with key fold_in(candidate_keys(row_keys(seed, streams))[r, j], t);
+    streams [batch, 2] (call, sentence index), default_streams when None. A sentence's candidates are decode_step's
+    hypotheses: its encoder output and cross-attention keys/values are computed once. Stops once every row has
+    produced EOS (rows of all-padding inputs count as finished). cache_blocks: the self-attention cache's blocks
+    (Transformer.init_cache; 0: cache_blocks_for's choice); the outputs are the same up to float rounding.
+    return_scores: also [batch * candidates] log P(output) / length_penalty(length, alpha, penalty), log P under the
+    model itself (temperature 1).
     """
     model = nnx.merge(graphdef, params)
     batch, max_decode_length = inputs.shape[0], inputs.shape[1] + max_extra_length
-    cache_blocks = cache_blocks_for(cache_blocks, 1)
-    limits = output_limits(inputs, max_extra_length, model.config)
-    cache = model.init_cache(model.encode(inputs), inputs, max_decode_length, blocks=cache_blocks)
-    keys = row_keys(seed, default_streams(batch) if streams is None else streams) if temperature > 0 else None
+    limits = jnp.repeat(output_limits(inputs, max_extra_length, model.config), candidates)
+    cache = model.init_cache(model.encode(inputs), inputs, max_decode_length, hypotheses=candidates,
+                             blocks=cache_blocks_for(cache_blocks, candidates))
+    keys = None if temperature <= 0 else candidate_keys(
+        row_keys(seed, default_streams(batch) if streams is None else streams), candidates)
 
     def choose(logits, index):
         if temperature <= 0.0:
             return jnp.argmax(logits, axis=-1)
-        logits = sampling_logits(logits, temperature, top_k, top_p)
+        logits = sampling_logits(logits, temperature, top_k, top_p, epsilon)
         return jax.vmap(lambda key, row: jax.random.categorical(jax.random.fold_in(key, index), row))(keys, logits)
 
     def not_done(carry):
@@ -258,8 +325,8 @@ def greedy_search(params: PyTree, inputs: jax.Array, streams: jax.Array | None =
 
     def step(carry):
         index, finished = carry["index"], carry["finished"]
-        raw, cache = model.decode_step(carry["previous"][:, None], index, carry["cache"])
-        raw = raw[:, 0]
+        raw, cache = model.decode_step(carry["previous"].reshape(batch, candidates), index, carry["cache"])
+        raw = raw.reshape(batch * candidates, -1)
         logits = allowed_logits(raw, index, limits)
         token = jnp.where(finished, PAD_ID, choose(logits, index).astype(jnp.int32))
         log_prob = carry["log_prob"]
@@ -269,8 +336,9 @@ def greedy_search(params: PyTree, inputs: jax.Array, streams: jax.Array | None =
         return dict(index=index + 1, previous=token, cache=cache, finished=finished | (token == EOS_ID),
                     outputs=carry["outputs"].at[:, index].set(token), log_prob=log_prob)
 
-    start = dict(index=jnp.int32(0), previous=jnp.zeros((batch,), jnp.int32), cache=cache, finished=limits == 0,
-                 outputs=jnp.zeros((batch, max_decode_length), jnp.int32), log_prob=jnp.zeros((batch,), jnp.float32))
+    rows = batch * candidates
+    start = dict(index=jnp.int32(0), previous=jnp.zeros((rows,), jnp.int32), cache=cache, finished=limits == 0,
+                 outputs=jnp.zeros((rows, max_decode_length), jnp.int32), log_prob=jnp.zeros((rows,), jnp.float32))
     final = jax.lax.while_loop(not_done, step, start)
     if not return_scores:
         return final["outputs"]
@@ -419,7 +487,8 @@ class Search:
     [batch, hypotheses]), best first, each sequence ending with EOS (all zeros in an empty slot); streams [batch,
     2] (call, sentence index) seed sampling (module docstring). `search(params, inputs)` -> the best sequences.
     scored: the scores are real (beam search, or make_search(scores=True)); else zeros. calls: the index of
-    the next search_sentences call, which advances it.
+    the next search_sentences call, which advances it. utility: MBR's (mbr.UTILITIES), which search_sentences ranks
+    the hypotheses by (the device's order is then not the final one); None: the device's order is.
     """
 
     run: Callable[[PyTree, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
@@ -428,6 +497,7 @@ class Search:
     alpha: float = 0.0
     penalty: str = "gnmt"
     calls: int = 0
+    utility: str | None = None
 
     def __call__(self, params: PyTree, inputs: jax.Array, call: int = 0) -> jax.Array:
         return self.run(params, inputs, default_streams(inputs.shape[0], call))[0][:, 0]
@@ -435,11 +505,17 @@ class Search:
 
 def make_search(graphdef: nnx.GraphDef, *, max_extra_length: int, beam_size: int = 1, alpha: float = 0.0,
                 penalty: str = "gnmt", early_stopping: bool = True, temperature: float = 0.0, top_k: int = 0,
-                top_p: float = 0.0, seed: int = 0, cache_blocks: int = 0, scores: bool = False) -> Search:
-    """The `Search` of the settings: sampling when temperature > 0 (beam_size 1 only), else greedy search for
-    beam_size 1, else beam search (all beam_size finished hypotheses); the self-attention cache in `cache_blocks` blocks
-    (Transformer.init_cache; 0: cache_blocks_for's choice). scores: greedy search and sampling also score their
-    hypothesis (a logsumexp per step; beam search scores anyway)."""
+                top_p: float = 0.0, epsilon: float = 0.0, seed: int = 0, cache_blocks: int = 0, scores: bool = False,
+                candidates: int = 1, utility: str | None = None) -> Search:
+    """The `Search` of the settings: sampling when temperature > 0 (beam_size 1 only; `candidates` samples per
+    sentence), else greedy search for beam_size 1, else beam search (all beam_size finished hypotheses); the
+    self-attention cache in `cache_blocks` blocks (Transformer.init_cache; 0: cache_blocks_for's choice). scores:
+    greedy search and sampling also score their hypotheses (a logsumexp per step; beam search scores anyway).
+    utility: rank each sentence's hypotheses by minimum Bayes risk under it (mbr.py) in search_sentences."""
+    if candidates < 1 or (candidates > 1 and temperature <= 0.0):
+        raise ValueError(f"candidates={candidates} must be 1, or more with temperature > 0 (distinct samples)")
+    if utility is not None:
+        mbr.metric(utility)
     if beam_size < 1:
         raise ValueError(f"beam_size={beam_size} must be >= 1")
     if penalty not in PENALTIES:
@@ -448,131 +524,31 @@ def make_search(graphdef: nnx.GraphDef, *, max_extra_length: int, beam_size: int
         raise ValueError(f"temperature={temperature} samples one hypothesis; beam_size={beam_size} asks for beam "
                          "search: choose one")
     sampling = temperature > 0.0 or beam_size == 1
-    cache_blocks = cache_blocks_for(cache_blocks, 1 if sampling else beam_size)
+    cache_blocks = cache_blocks_for(cache_blocks, candidates if sampling else beam_size)
     if sampling:
         greedy = functools.partial(greedy_search, graphdef=graphdef, max_extra_length=max_extra_length,
-                                   temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                   cache_blocks=cache_blocks, alpha=alpha, penalty=penalty, return_scores=scores)
+                                   temperature=temperature, top_k=top_k, top_p=top_p, epsilon=epsilon, seed=seed,
+                                   cache_blocks=cache_blocks, alpha=alpha, penalty=penalty, return_scores=scores,
+                                   candidates=candidates)
 
-        def one(params, inputs, streams):
+        def samples(params, inputs, streams):
             outputs = greedy(params, inputs, streams)
-            sequences, row_scores = outputs if scores else (outputs, jnp.zeros(inputs.shape[:1], jnp.float32))
-            return sequences[:, None], row_scores[:, None]
-        return Search(jax.jit(one), 1, scores, alpha, penalty)
+            rows = inputs.shape[0] * candidates
+            sequences, row_scores = outputs if scores else (outputs, jnp.zeros((rows,), jnp.float32))
+            return (sequences.reshape(inputs.shape[0], candidates, -1),
+                    row_scores.reshape(inputs.shape[0], candidates))
+        return Search(jax.jit(samples), candidates, scores, alpha, penalty, utility=utility)
 
     def beams(params, inputs, streams):
         del streams  # beam search draws no random numbers
         return beam_search(params, inputs, graphdef=graphdef, beam_size=beam_size, alpha=alpha,
                            max_extra_length=max_extra_length, early_stopping=early_stopping,
                            cache_blocks=cache_blocks, penalty=penalty)
-    return Search(jax.jit(beams), beam_size, True, alpha, penalty)
+    return Search(jax.jit(beams), beam_size, True, alpha, penalty, utility=utility)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Sentences in, sentences out, over every device and process
-
-
-def batch_sharding_for(params: PyTree = None) -> NamedSharding:
-    """The default split of a decoding batch's rows: over the batch axes (data, fsdp, expert) of the mesh the params
-    are sharded on (jit refuses arrays on two meshes that order the same devices differently), or over every
-    device (jax.devices()) when they are on no mesh."""
-    leaf = next((x for x in jax.tree.leaves(params) if isinstance(getattr(x, "sharding", None), NamedSharding)),
-                None)
-    if leaf is None:
-        return NamedSharding(Mesh(np.asarray(jax.devices()), ("data",)), PartitionSpec("data"))
-    mesh = leaf.sharding.mesh
-    axes = tuple(axis for axis in sharding.BATCH_AXES if axis in mesh.axis_names) or tuple(mesh.axis_names)
-    return NamedSharding(mesh, PartitionSpec(axes))
-
-
-def row_ways(batch_sharding: NamedSharding) -> int:
-    """How many ways batch_sharding splits a batch's rows (the product of its first dimension's mesh axes)."""
-    spec = tuple(batch_sharding.spec)
-    axes = spec[0] if spec else None
-    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    return math.prod(batch_sharding.mesh.shape[name] for name in names)
-
-
-def device_rows(batch_size: int, batch_sharding: NamedSharding) -> int:
-    """batch_size rounded up to a multiple of the ways batch_sharding splits rows: every device gets whole rows."""
-    if batch_size <= 0:
-        raise ValueError(f"decode batch size {batch_size} must be positive")
-    ways = row_ways(batch_sharding)
-    return -(-batch_size // ways) * ways
-
-
-def budget_batches(inputs: list[np.ndarray], rows: int, ways: int = 1, max_tokens: int = 0
-                   ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(indices, padded inputs [batch rows, bucket length]) in length order (stable), every input once. A batch of
-    bucket length L has rows_for(L) rows: `rows` (a multiple of `ways`), or with max_tokens > 0 the most multiples
-    of `ways` whose rows x L fit in max_tokens (at least `ways`: one row per device). A bucket thus has one row
-    count, and no more shapes compile than without a budget. Rows beyond the inputs hold index -1, all padding."""
-    def rows_for(length: int) -> int:
-        return min(rows, max(ways, max_tokens // length // ways * ways)) if max_tokens > 0 else rows
-
-    lengths = [len(x) for x in inputs]
-    order = np.argsort(lengths, kind="stable")
-    start = 0
-    while start < len(order):
-        # The shortest first, so the batch's longest input sets its length; fewer rows may shorten it again.
-        count = rows_for(data.bucket_length(lengths[order[start]]))
-        while True:
-            length = data.bucket_length(lengths[order[min(start + count, len(order)) - 1]])
-            if rows_for(length) >= count:
-                break
-            count = rows_for(length)
-        indices = order[start:start + count]
-        batch = np.zeros((rows_for(length), length), np.int32)
-        for row, index in enumerate(indices):
-            batch[row, :lengths[index]] = inputs[index]
-        yield np.pad(indices, (0, len(batch) - len(indices)), constant_values=-1), batch
-        start += len(indices)
-
-
-CUT_LINES_SHOWN = 5  # line numbers a warning about cut inputs lists before it counts the rest
-
-
-def cut_to_bound(inputs: list[np.ndarray], max_input_length: int | None) -> tuple[list[np.ndarray], list[int]]:
-    """inputs with each one longer than max_input_length tokens (None: no bound) cut to its first
-    max_input_length - 1 and EOS -> (the inputs, the line numbers, from 1, of those cut)."""
-    if max_input_length is None:
-        return list(inputs), []
-    if max_input_length < 1:
-        raise ValueError(f"max_input_length={max_input_length} must be >= 1 (room for the EOS)")
-    bounded, cut = list(inputs), []
-    for line, ids in enumerate(inputs, 1):
-        if len(ids) > max_input_length:
-            bounded[line - 1] = np.append(ids[:max_input_length - 1], EOS_ID).astype(np.int32)
-            cut.append(line)
-    return bounded, cut
-
-
-def warn_cut(name: str, cut_lines: list[int], total: int, max_input_length: int) -> None:
-    """One warning for a whole split or file: how many of its `total` sentences were cut, and their first lines."""
-    if not cut_lines:
-        return
-    rest = len(cut_lines) - CUT_LINES_SHOWN
-    log.warning("%s: %d of %d source sentence(s) longer than %d tokens cut to their first %d and EOS (still "
-                "decoded and scored): line(s) %s%s", name, len(cut_lines), total, max_input_length,
-                max_input_length - 1, ", ".join(map(str, cut_lines[:CUT_LINES_SHOWN])),
-                f" and {rest} more" if rest > 0 else "")
-
-
-def encode_inputs(tokenizer: Tokenizer, sentences: list[str], max_input_length: int | None,
-                  name: str | None = "input") -> tuple[list[np.ndarray], list[int]]:
-    """(token ids of each sentence, EOS included, cut to max_input_length by cut_to_bound; the lines cut). With a
-    name (a split or file), one warning naming it and the lines (warn_cut); None leaves the warning to the caller."""
-    inputs, cut = cut_to_bound(tokenizer.encode(sentences), max_input_length)
-    if name is not None and max_input_length is not None:
-        warn_cut(name, cut, len(sentences), max_input_length)
-    return inputs, cut
-
-
-def to_host(x: Any) -> np.ndarray:
-    """A device array (all of it, on every process) or anything array-like -> numpy."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(x)
 
 
 def _runner(search: Search | Callable, call: int | None) -> tuple[Callable, int]:
@@ -597,6 +573,19 @@ def _hypotheses(sequences: np.ndarray, scores: np.ndarray, log_probs: np.ndarray
             found.append(Hypothesis(ids[:int(np.argmax(ids == EOS_ID)) + 1].astype(np.int32), float(score),
                                     float(log_prob)))
     return found
+
+
+def mbr_ranked(hypotheses: list[Hypothesis], tokenizer: Tokenizer, utility: str) -> list[Hypothesis]:
+    """A sentence's candidates by minimum Bayes risk (mbr.ranking: expected utility against all of them as
+    references, highest first), each distinct text once, its score the expected utility; log_prob stays the model's."""
+    texts = [tokenizer.decode(hypothesis.ids) for hypothesis in hypotheses]
+    order, expected = mbr.ranking(texts, utility)
+    ranked, seen = [], set()
+    for index, value in zip(order, expected):
+        if texts[index] not in seen:
+            seen.add(texts[index])
+            ranked.append(hypotheses[index]._replace(score=float(value)))
+    return ranked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -642,36 +631,43 @@ def search_sentences(search: Search | Callable, params: PyTree, tokenizer: Token
     pass DecodeConfig.input_bound) are cut to it, keeping EOS, with one warning naming `name` (a split or file;
     None: no warning) and the lines. Length-sorted batches of at most batch_size rows and, with
     max_tokens_per_batch > 0, at most that many rows x padded length (budget_batches), rows in whole multiples of
-    the devices, are split over batch_sharding (default: batch_sharding_for(params)); with several processes
+    the devices, are split over batch_sharding (default: batching.batch_sharding_for(params)); with several processes
     each places its own rows, and every process gets every hypothesis. call: sampling's call index (default: the
-    next)."""
+    next). An MBR search (Search.utility) counts batch_size and max_tokens_per_batch in candidates, so a batch
+    holds 1/hypotheses as many sentences, and ranks each batch's candidates on the host while the device decodes
+    the batches after it."""
     scored, kept = (search.scored, search.hypotheses) if isinstance(search, Search) else (False, 1)
+    utility = search.utility if isinstance(search, Search) else None
+    per = kept if utility else 1
     if not sentences:
         return Decoded([], [], scored, kept)
-    inputs, cut = encode_inputs(tokenizer, sentences, max_input_length, name)
-    batch_sharding = batch_sharding_for(params) if batch_sharding is None else batch_sharding
+    inputs, cut = batching.encode_inputs(tokenizer, sentences, max_input_length, name)
+    batch_sharding = batching.batch_sharding_for(params) if batch_sharding is None else batch_sharding
     run, call = _runner(search, call)
     pending = []
-    for indices, batch in budget_batches(inputs, device_rows(batch_size, batch_sharding), row_ways(batch_sharding),
-                                         max_tokens_per_batch):
+    rows, ways = batching.device_rows(max(1, batch_size // per), batch_sharding), batching.row_ways(batch_sharding)
+    max_tokens = max_tokens_per_batch and max(1, max_tokens_per_batch // per)
+    for indices, batch in batching.budget_batches(inputs, rows, ways, max_tokens):
         streams = np.stack([np.full(len(indices), call), indices], axis=1).astype(np.int32)
         placed = sharding.place_batch({"inputs": batch, "streams": streams}, batch_sharding)
         pending.append((indices, run(params, placed["inputs"], placed["streams"])))  # dispatched, not awaited
     alpha, penalty = (search.alpha, search.penalty) if isinstance(search, Search) else (0.0, "gnmt")
     results: list[list[Hypothesis]] = [[] for _ in sentences]
     for indices, (sequences, scores) in pending:
-        sequences, scores = to_host(sequences), to_host(scores)
+        sequences, scores = batching.to_host(sequences), batching.to_host(scores)
         lengths = np.argmax(sequences == EOS_ID, axis=-1) + 1
         log_probs = scores * np.asarray(length_penalty(lengths, alpha, penalty))
         for index, *row in zip(indices, sequences, scores, log_probs):
             if index >= 0 and sentences[index].strip():
-                results[index] = _hypotheses(*row)
+                found = _hypotheses(*row)
+                results[index] = mbr_ranked(found, tokenizer, utility) if utility and found else found
     return Decoded(results, cut, scored, kept)
 
 
 def nbest_lines(nbest: list[list[Hypothesis]], tokenizer: Tokenizer, first_index: int = 0) -> list[str]:
     """Moses' n-best format, one line per hypothesis, best first: `index ||| translation ||| LogProb= log P |||
-    score` (index counts sentences from first_index, 0-based; score = log P / length penalty). An empty sentence
+    score` (index counts sentences from first_index, 0-based; score = log P / length penalty, or MBR's expected
+    utility). An empty sentence
     gets one line with an empty translation and 0 scores, so every index appears."""
     lines = []
     for index, hypotheses in enumerate(nbest, first_index):

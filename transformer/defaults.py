@@ -173,6 +173,13 @@ def decode_defaults() -> ml_collections.ConfigDict:
     # past a learned position table
     decode.max_tokens_per_batch = 16384  # sentences x padded source length per decoding batch: long ones come fewer
     # to a batch, in whole rows per device (0: no budget, decode.batch_size sentences whatever their length)
+    decode.epsilon = 0.0  # sampling: drop tokens of probability < epsilon, the most likely always kept (0 = off)
+    # Minimum Bayes risk decoding (README "MBR decoding"): N candidates per sentence, the one that agrees most with
+    # the others under a utility returned. batch_size and max_tokens_per_batch then count candidates.
+    decode.search = "auto"  # auto: greedy / beam / sampling by beam_size and temperature | mbr
+    decode.mbr_candidates = 16  # N: samples, or the n-best of a beam of N
+    decode.mbr_from = "samples"  # samples (at temperature, 0 read as 1; epsilon, top_k, top_p) | beam (beam_size unused)
+    decode.mbr_utility = "chrf"  # chrf | bleu (sacreBLEU's sentence-level scores, on the host)
     return decode
 
 

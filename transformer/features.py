@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from transformer import decode
+from transformer import batching
 from transformer.restore import restore, workdir_family
 
 
@@ -33,7 +33,7 @@ class FeatureExtractor:
         """sentences -> (features [sentences, tokens, d_model] float32, mask [sentences, tokens] bool). Each is cut
         to max_length tokens (default: the run's data.max_length, or the positions the model has)."""
         bound = max_length or self.restored.input_bound
-        ids, _ = decode.cut_to_bound(self.restored.tokenizer.encode(sentences), bound)
+        ids, _ = batching.cut_to_bound(self.restored.tokenizer.encode(sentences), bound)
         length = max((len(x) for x in ids), default=1)
         inputs = np.zeros((len(ids), length), np.int32)
         for row, x in enumerate(ids):

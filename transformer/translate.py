@@ -27,7 +27,7 @@ from absl import app, flags
 
 import jax
 
-from transformer import cli, console, decode, errors, files, sharding, sources
+from transformer import batching, cli, console, decode, errors, files, sharding, sources
 from transformer.restore import Restored, workdir_family
 
 cli.define_command_line_flags("lines")
@@ -63,7 +63,7 @@ def translate_stream(restored: Restored, lines: Iterable[str], out: TextIO, batc
     search = settings.search_fn(restored.graphdef, restored.settings.seed, scores=nbest > 0)
     bound = restored.input_bound
     batch_sharding = restored.batch_sharding
-    rows, count, cut_lines = decode.device_rows(batch_size, batch_sharding), 0, []
+    rows, count, cut_lines = batching.device_rows(batch_size, batch_sharding), 0, []
     for chunk in chunks(lines, rows):
         decoded = decode.search_sentences(search, restored.params, restored.tokenizer, chunk, rows, bound,
                                           name=None, max_tokens_per_batch=settings.max_tokens_per_batch,
@@ -77,7 +77,7 @@ def translate_stream(restored: Restored, lines: Iterable[str], out: TextIO, batc
             out.flush()
         cut_lines += [count + line for line in decoded.cut_lines]
         count += len(chunk)
-    decode.warn_cut(name, cut_lines, count, bound)
+    batching.warn_cut(name, cut_lines, count, bound)
     return count
 
 
