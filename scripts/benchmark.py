@@ -83,6 +83,8 @@ flags.DEFINE_integer("peak_size", 4096, "CPU: size of the float32 matmul whose F
 flags.DEFINE_bool("hugepages", True, "Re-run under GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (see above).")
 flags.DEFINE_integer("new_tokens", 40, "decode: tokens decoded per sentence (no early stop).")
 flags.DEFINE_integer("beam_size", 4, "decode: beam size (1: greedy search).")
+flags.DEFINE_integer("candidates", 0, "decode: > 0 draws this many samples per sentence instead (temperature 1, "
+                     "epsilon 0.02: MBR's device part, decode.search=mbr; --beam_size is not read).")
 flags.DEFINE_integer("repeats", 3, "decode: timed runs (the median is reported).")
 flags.DEFINE_bool("decode_all_devices", False, "decode: split the batch's rows over every device, as decode.search_sentences "
                   "does (8 fake CPU devices: XLA_FLAGS=--xla_force_host_platform_device_count=8).")
@@ -331,10 +333,18 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
         inputs = sharding.place_batch({"inputs": inputs}, batch_sharding)["inputs"]
     # Every sentence may produce source_length + max_extra_length = new_tokens tokens, and without early stopping
     # every sentence runs to that limit (greedy search stops only once every row has its EOS, as make_search's).
-    search = decode.make_search(graphdef, max_extra_length=new_tokens - source_length, beam_size=beam_size,
-                                alpha=0.6, early_stopping=False, cache_blocks=cache_blocks)
+    candidates = flags.FLAGS.candidates
+    if candidates > 0:  # a random model seldom samples EOS: the rows run to the limit, as beam search's here
+        cache_blocks = decode.cache_blocks_for(settings.decode.cache_blocks, candidates)
+        search = decode.make_search(graphdef, max_extra_length=new_tokens - source_length, temperature=1.0,
+                                    epsilon=0.02, candidates=candidates, cache_blocks=cache_blocks)
+        beam_size = 0
+    else:
+        search = decode.make_search(graphdef, max_extra_length=new_tokens - source_length, beam_size=beam_size,
+                                    alpha=0.6, early_stopping=False, cache_blocks=cache_blocks)
     result = dict(mode="decode", shape=flags.FLAGS.shape, batch=batch, source_length=source_length,
-                  new_tokens=new_tokens, beam_size=beam_size, cache_blocks=cache_blocks, dtype="float32",
+                  new_tokens=new_tokens, beam_size=beam_size, candidates=candidates, cache_blocks=cache_blocks,
+                  dtype="float32",
                   backend=jax.default_backend(), devices=str(jax.devices()), jax=jax.__version__,
                   batch_devices=jax.device_count() if flags.FLAGS.decode_all_devices else 1,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -107,6 +107,16 @@ def test_eval_decodes_by_mbr_with_its_flags_as_the_search_in_this_process_does(w
     assert first == sorted(first, reverse=True) and 0 < first[0] <= 100
 
 
+def test_benchmark_mbr_times_the_draw_and_the_ranking_apart(workdir):
+    result = run(os.path.join(ROOT, "scripts", "benchmark_mbr.py"), f"--workdir={workdir}", "--sentences=6",
+                 "--candidates=1,4", "--utilities=chrf,bleu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(r["candidates"], r["utility"]) for r in rows] == [(1, "chrf"), (1, "bleu"), (4, "chrf"), (4, "bleu")]
+    assert all(r["sentences"] == 6 and 0 < r["host_share"] < 1 for r in rows)
+    assert [r["distinct_per_sentence"] for r in rows[:2]] == [1.0, 1.0] and 1 <= rows[2]["distinct_per_sentence"] <= 4
+
+
 @pytest.mark.parametrize("tool, flags, message", [
     ("-m transformer.translate", ["--nbest=3", "--beam_size=2"],
      "--nbest=3 must be between 0 (off) and decode.beam_size=2"),

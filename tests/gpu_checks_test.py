@@ -17,10 +17,13 @@ def test_gpu_checks_script_runs_at_toy_sizes(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     log = (tmp_path / "gpu_checks.log").read_text()
-    # devices, tests, one train step, decode, the four variants' train steps, the hybrid's decode, decode cost
-    assert log.count("== rc 0") == 10 and "== rc 1" not in log, log
+    # devices, tests, one train step, decode, MBR's draw, the four variants' train steps, the hybrid's decode,
+    # decode cost
+    assert log.count("== rc 0") == 11 and "== rc 1" not in log, log
     results = [json.loads(line) for line in (tmp_path / "gpu_checks.jsonl").read_text().splitlines()]
-    assert [r["mode"] for r in results] == ["train", "decode", "train", "train", "train", "train", "decode"]
+    assert [r["mode"] for r in results] == ["train", "decode", "decode", "train", "train", "train", "train", "decode"]
+    assert (results[1]["candidates"], results[2]["candidates"], results[2]["batch"]) == (0, 16, 2)
+    results = results[:2] + results[3:]  # the rest as before MBR's draw
     assert results[0]["model"]["dtype"] == "bfloat16" and results[0]["model"]["emb_dim"] == 64
     variants = [(r["model"]["family"], r["model"]["num_encoder_layers"], r["model"]["num_decoder_layers"],
                  r["model"]["num_experts"]) for r in results[2:6]]

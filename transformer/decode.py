@@ -30,6 +30,9 @@ Sampling (temperature > 0, then top_k, then top_p) is reproducible and fresh at 
 call of `search_sentences` on one `Search` (c counts from 0; `call=` pins it) draws position t with
 the key fold_in(fold_in(fold_in(key(seed), c), i), t), i being the sentence's index in that call's list. The
 samples then depend on neither the batch size, nor the number of devices or processes, nor the other sentences.
+Minimum Bayes risk (DecodeConfig.search="mbr") draws N such candidates per sentence (candidate j > 0 with the
+sentence's key folded with j) or takes a beam's N finished hypotheses, and `search_sentences` returns the one of
+highest expected utility against the others (mbr.py).
 
 Decoding of sentences (`search_sentences`) always finishes: a source longer than the bound
 (`DecodeConfig.input_bound`: the training data.max_length, capped by a learned position table) is cut to it, its
@@ -239,7 +242,7 @@ def cache_blocks_for(cache_blocks: int, beam_size: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Greedy search and sampling: one hypothesis per sentence
+# Greedy search and sampling: one hypothesis per sentence, or several candidates of one
 
 
 def sampling_logits(logits: jax.Array, temperature: float, top_k: int = 0, top_p: float = 0.0,
