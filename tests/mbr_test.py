@@ -62,6 +62,14 @@ def tiny(tmp_path_factory):
     return tokenizer, graphdef, params, decode_setup.sentences(tokenizer, 9)
 
 
+def padded(tokenizer, sentences: list[str]) -> np.ndarray:
+    """[sentences, 16] the sentences' ids (decode_setup's are at most 16 tokens), padded with 0."""
+    inputs = np.zeros((len(sentences), 16), np.int32)
+    for row, ids in enumerate(tokenizer.encode(sentences)):
+        inputs[row, :len(ids)] = ids
+    return inputs
+
+
 def sampler(graphdef, **settings):
     return decode.make_search(graphdef, max_extra_length=decode_setup.MAX_EXTRA_LENGTH, temperature=1.0, seed=3,
                               scores=True, **settings)
@@ -75,9 +83,7 @@ def test_mbr_over_one_candidate_returns_plain_samplings_sample(tiny):
     assert [x.tolist() for x in chosen.best_ids()] == [x.tolist() for x in sampled.best_ids()]
     # Candidate 0 of several is that sample too; the others are fresh draws.
     many = sampler(graphdef, candidates=6)
-    inputs = np.zeros((len(sentences), 16), np.int32)
-    for row, ids in enumerate(tokenizer.encode(sentences)):
-        inputs[row, :len(ids)] = ids
+    inputs = padded(tokenizer, sentences)
     one, _ = sampler(graphdef).run(params, inputs, decode.default_streams(len(sentences)))
     six, _ = many.run(params, inputs, decode.default_streams(len(sentences)))
     np.testing.assert_array_equal(np.asarray(six)[:, 0], np.asarray(one)[:, 0])
@@ -92,9 +98,7 @@ def test_search_sentences_returns_the_candidate_of_highest_expected_utility(tiny
     tokenizer, graphdef, params, sentences = tiny
     sentences = [s for s in sentences if s]
     search = sampler(graphdef, candidates=8, utility=utility, epsilon=0.02)
-    inputs = np.zeros((len(sentences), 16), np.int32)
-    for row, ids in enumerate(tokenizer.encode(sentences)):
-        inputs[row, :len(ids)] = ids
+    inputs = padded(tokenizer, sentences)
     sequences, _ = search.run(params, inputs, decode.default_streams(len(sentences)))
     ranked = decode.search_sentences(search, params, tokenizer, sentences, 8 * len(sentences), call=0)
     score = {"chrf": sacrebleu.sentence_chrf, "bleu": lambda h, r: mbr.metric("bleu").sentence_score(h, r)}[utility]
