@@ -33,10 +33,11 @@ def draw(search, restored, sentences: list[str], count: int, bound: int):
     from transformer import decode
 
     settings = restored.settings.decode
+    # The batches of decode.search=mbr: search_sentences divides them only for a search with a utility.
+    rows, max_tokens = decode.candidate_batches(settings.batch_size, settings.max_tokens_per_batch, count)
     start = time.perf_counter()
-    found = decode.search_sentences(search, restored.params, restored.tokenizer, sentences,
-                                    max(1, settings.batch_size // count), bound, name=None,
-                                    max_tokens_per_batch=settings.max_tokens_per_batch // count, call=0)
+    found = decode.search_sentences(search, restored.params, restored.tokenizer, sentences, rows, bound,
+                                    name=None, max_tokens_per_batch=max_tokens, call=0)
     return found, time.perf_counter() - start
 
 

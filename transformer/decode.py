@@ -626,6 +626,13 @@ class Decoded:
         return [found[:n] for found in self.hypotheses]
 
 
+def candidate_batches(batch_size: int, max_tokens_per_batch: int, candidates: int) -> tuple[int, int]:
+    """(sentences per batch, token budget) when decode.batch_size and max_tokens_per_batch count candidates, as MBR's
+    do: 1/candidates of each, at least 1 (a budget of 0 stays 0: none)."""
+    return (max(1, batch_size // candidates),
+            max_tokens_per_batch and max(1, max_tokens_per_batch // candidates))
+
+
 def search_sentences(search: Search | Callable, params: PyTree, tokenizer: Tokenizer, sentences: list[str],
                      batch_size: int, max_input_length: int | None = None, *, name: str | None = "input",
                      max_tokens_per_batch: int = 0, batch_sharding: NamedSharding | None = None,
@@ -641,15 +648,14 @@ def search_sentences(search: Search | Callable, params: PyTree, tokenizer: Token
     the batches after it."""
     scored, kept = (search.scored, search.hypotheses) if isinstance(search, Search) else (False, 1)
     utility = search.utility if isinstance(search, Search) else None
-    per = kept if utility else 1
     if not sentences:
         return Decoded([], [], scored, kept)
     inputs, cut = batching.encode_inputs(tokenizer, sentences, max_input_length, name)
     batch_sharding = batching.batch_sharding_for(params) if batch_sharding is None else batch_sharding
     run, call = _runner(search, call)
     pending = []
-    rows, ways = batching.device_rows(max(1, batch_size // per), batch_sharding), batching.row_ways(batch_sharding)
-    max_tokens = max_tokens_per_batch and max(1, max_tokens_per_batch // per)
+    sentences_per_batch, max_tokens = candidate_batches(batch_size, max_tokens_per_batch, kept if utility else 1)
+    rows, ways = batching.device_rows(sentences_per_batch, batch_sharding), batching.row_ways(batch_sharding)
     for indices, batch in batching.budget_batches(inputs, rows, ways, max_tokens):
         streams = np.stack([np.full(len(indices), call), indices], axis=1).astype(np.int32)
         placed = sharding.place_batch({"inputs": batch, "streams": streams}, batch_sharding)
