@@ -104,12 +104,33 @@ def check_exportable(model_config: ModelConfig, allow_epsilon_change: bool = Fal
         problems.append(f"model.layer_norm_epsilon={model_config.layer_norm_epsilon:g}: Marian's LayerNorms use "
                         f"{MARIAN_LAYER_NORM_EPSILON:g} (--allow_layer_norm_epsilon_change exports it anyway, "
                         "with that epsilon)")
+    inert = unused_fields(model_config)
     for field in dataclasses.fields(model_config):
         value = getattr(model_config, field.name)
-        if field.name not in MAPPED_FIELDS and value != field.default:
+        if field.name not in MAPPED_FIELDS | inert and value != field.default:
             problems.append(f"model.{field.name}={value!r}: the export does not know how Marian would express it")
     if problems:
         raise ExportError("cannot export as a Hugging Face MarianMTModel: " + "; ".join(problems))
+
+
+def unused_fields(model_config: ModelConfig) -> set[str]:
+    """The fields of features this model does not use, which change neither its parameters nor its function: the
+    seed (it draws only performer's features), the experts' settings without experts, each attention kind's own
+    setting without that kind, the other families' settings."""
+    kinds = {kind for field in ("encoder_attention", "decoder_attention", "cross_attention")
+             for kind in getattr(model_config, field).split(",")}
+    unused = set()
+    for kind, fields in (("performer", ("seed", "performer_features")), ("local", ("local_window",)),
+                         ("linformer", ("linformer_length",)),
+                         ("ssm", ("ssm_state", "ssm_expand", "ssm_head_dim", "ssm_conv", "ssm_chunk"))):
+        if kind not in kinds:
+            unused.update(fields)
+    if not model_config.num_experts:
+        unused.update(("expert_every", "experts_per_token", "capacity_factor", "eval_capacity_factor",
+                       "router_balance_weight", "router_z_weight"))
+    if model_config.family == "encoder_decoder":
+        unused.update(("prefix_lm", "masked_side", "mask_rate"))
+    return unused
 
 
 def check_output(output: str) -> None:

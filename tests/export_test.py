@@ -86,6 +86,19 @@ def test_a_model_setting_the_mapping_does_not_know_is_refused_unless_at_its_defa
         export.check_exportable(ModelConfig(vocab_size=8, layer_norm_epsilon=1e-5, mlp_dim=64))
 
 
+def test_settings_of_features_the_model_does_not_use_and_the_seed_are_no_reason_to_refuse():
+    """A run with seed 3, a capacity factor but no experts, a local window but no local attention exports; the same
+    settings are refused where the model uses them (performer draws its features from the seed)."""
+    export.check_exportable(ModelConfig(vocab_size=8, layer_norm_epsilon=1e-5, seed=3, capacity_factor=2.0,
+                                        local_window=5, ssm_state=8, prefix_lm=False))
+    with pytest.raises(export.ExportError, match="model.num_experts=4"):
+        export.check_exportable(ModelConfig(vocab_size=8, layer_norm_epsilon=1e-5, num_experts=4, capacity_factor=2.0))
+    with pytest.raises(export.ExportError, match="model.seed=3.*model.decoder_attention='performer'|"
+                                                 "model.decoder_attention='performer'.*model.seed=3"):
+        export.check_exportable(ModelConfig(vocab_size=8, layer_norm_epsilon=1e-5, seed=3,
+                                            decoder_attention="performer"))
+
+
 def test_an_existing_non_empty_output_is_refused_naming_it_and_left_as_it_was(tmp_path):
     workdir = write_workdir_config(tmp_path / "run")
     (tmp_path / "hf").mkdir()

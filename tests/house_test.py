@@ -18,7 +18,7 @@ LAYERS = (
     ("parts", ("transformer.model", "transformer.optim", "transformer.sharding", "transformer.sources",
                "transformer.workdir", "transformer.metrics", "transformer.token_cache", "transformer.data",
                "transformer.checkpoint", "transformer.throughput", "transformer.batching")),
-    ("steps", ("transformer.steps", "transformer.decode", "transformer.loop")),
+    ("steps", ("transformer.steps", "transformer.decode", "transformer.loop", "transformer.risk")),
     ("run", ("transformer.settings", "transformer.plan", "transformer.evaluation", "transformer.restore",
              "transformer.trainer")),
     ("tools", ("transformer.sweep_runner", "transformer.sweep_results", "transformer.translate",

@@ -2,7 +2,8 @@
 starts, so sharding_test.py runs this module in a subprocess; in the ordinary 1-device session it is skipped.
 
 Fast: an accumulated step on (2,2,2) equals the big batch on (1,1,1), and so does a step of each attention kind
-one of each model family, and one of a mixture of experts split over an expert axis of 4; parameters are born sharded; a
+one of each model family, one of minimum risk training, and one of a mixture of experts split over an expert axis
+of 4; parameters are born sharded; a
 checkpoint saved on one mesh restores onto another. Slow: one step with dropout on (8,1,1), (2,4,1), (2,2,2)
 equals (1,1,1); accumulation over 4 slices on (2,1,1); bfloat16 trains.
 """
@@ -39,7 +40,7 @@ def make_batch(rows=8, length=12, seed=0):
     return {"inputs": inputs, "targets": targets}
 
 
-def setup(mesh_sizes, model=MODEL, num_microbatches=1):
+def setup(mesh_sizes, model=MODEL, num_microbatches=1, objective="mle"):
     mesh_config = sharding.MeshConfig(*mesh_sizes)
     devices = jax.devices()[:int(np.prod(mesh_sizes))]
     mesh = sharding.make_mesh(mesh_config, devices)
@@ -50,13 +51,15 @@ def setup(mesh_sizes, model=MODEL, num_microbatches=1):
     shardings = state_shardings(model, optimizer, mesh, mesh_config)
     batch_sharding = sharding.batch_sharding(mesh, mesh_config)
     train, _ = make_steps(model_graphdef(model), optimizer, schedule,
-                                  TrainConfig(num_microbatches=num_microbatches), shardings, batch_sharding)
+                          TrainConfig(num_microbatches=num_microbatches, objective=objective, risk_candidates=4),
+                          shardings, batch_sharding)
     state = create_train_state(model, optimizer, seed=0, shardings=shardings)
     return state, train, batch_sharding, shardings, optimizer
 
 
 @functools.cache
-def one_step(mesh_sizes, num_microbatches=1, dropout_rate=0.1, kind="dense", experts=0, family="encoder_decoder"):
+def one_step(mesh_sizes, num_microbatches=1, dropout_rate=0.1, kind="dense", experts=0, family="encoder_decoder",
+             objective="mle"):
     kinds = {field: kind if kind in allowed_kinds(field) else "dense" for field in ATTENTION_FIELDS}
     model = dataclasses.replace(MODEL, dropout_rate=dropout_rate, local_window=3, performer_features=16, ssm_state=16,
                                 ssm_head_dim=16, ssm_chunk=5, **kinds)
@@ -67,7 +70,7 @@ def one_step(mesh_sizes, num_microbatches=1, dropout_rate=0.1, kind="dense", exp
     if experts:  # every layer a mixture, top-2, with room for every token (capacity = k x row / E x E / k)
         model = dataclasses.replace(model, num_experts=experts, experts_per_token=2, expert_every=1,
                                     capacity_factor=experts / 2)
-    state, train, batch_sharding, _, _ = setup(mesh_sizes, model, num_microbatches)
+    state, train, batch_sharding, _, _ = setup(mesh_sizes, model, num_microbatches, objective)
     born = jax.tree.map(lambda x: (x.sharding, x.addressable_shards[0].data.shape), state)  # before donation
     state, metrics = train(state, sharding.place_batch(make_batch(), batch_sharding))
     return jax.device_get(state.params), jax.device_get(metrics), born
@@ -116,6 +119,18 @@ def test_each_family_steps_on_2x2x2_as_on_one_device(family):
     sharded = one_step((2, 2, 2), dropout_rate=0.0, family=family)
     assert_same_step(sharded, one_step((1, 1, 1), dropout_rate=0.0, family=family))
     assert sharded[1]["denominator"] > 0
+
+
+def test_a_risk_step_on_2x2x2_with_two_slices_equals_one_device():
+    """Minimum risk training: the 4 candidates of each of the 8 rows, sampled inside the step, their BLEU and their
+    expected risk, with the rows sharded over data, fsdp and tensor and the gradient accumulated over 2 slices, give
+    the one-device step: the samples are drawn from each row's own key, whatever device holds the row."""
+    sharded = one_step((2, 2, 2), num_microbatches=2, dropout_rate=0.0, objective="risk")
+    single = one_step((1, 1, 1), dropout_rate=0.0, objective="risk")
+    assert_same_step(sharded, single)
+    for key in ("risk", "reward", "sentences"):
+        np.testing.assert_allclose(sharded[1][key], single[1][key], rtol=1e-5, err_msg=key)
+    assert single[1]["sentences"] == 8 and 0 < single[1]["risk"] / 8 <= 1
 
 
 def test_experts_split_over_an_expert_axis_of_4_step_as_on_one_device():

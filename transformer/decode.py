@@ -295,7 +295,8 @@ def default_streams(batch: int, call: int = 0) -> jax.Array:
 def greedy_search(params: PyTree, inputs: jax.Array, streams: jax.Array | None = None, *, graphdef: nnx.GraphDef,
                   max_extra_length: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0,
                   epsilon: float = 0.0, seed: int = 0, cache_blocks: int = 0, alpha: float = 0.0,
-                  penalty: str = "gnmt", return_scores: bool = False, candidates: int = 1
+                  penalty: str = "gnmt", return_scores: bool = False, candidates: int = 1,
+                  keys: jax.Array | None = None, max_length: int | None = None
                   ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """inputs [batch, src_length] -> output ids [batch * candidates, src_length + max_extra_length], padded with 0
     after EOS; row s * candidates + j is candidate j of sentence s (one per sentence by default).
@@ -307,15 +308,19 @@ def greedy_search(params: PyTree, inputs: jax.Array, streams: jax.Array | None =
     produced EOS (rows of all-padding inputs count as finished). cache_blocks: the self-attention cache's blocks
     (Transformer.init_cache; 0: cache_blocks_for's choice); the outputs are the same up to float rounding.
     return_scores: also [batch * candidates] log P(output) / length_penalty(length, alpha, penalty), log P under the
-    model itself (temperature 1).
+    model itself (temperature 1). keys [batch]: the rows' sampling keys instead of row_keys(seed, streams)'s (the
+    train step's own). max_length: outputs of at most this many tokens, EOS included (the buffer too).
     """
     model = nnx.merge(graphdef, params)
     batch, max_decode_length = inputs.shape[0], inputs.shape[1] + max_extra_length
     limits = jnp.repeat(output_limits(inputs, max_extra_length, model.config), candidates)
+    if max_length is not None:
+        max_decode_length, limits = min(max_decode_length, max_length), jnp.minimum(limits, max_length)
     cache = model.init_cache(model.encode(inputs), inputs, max_decode_length, hypotheses=candidates,
                              blocks=cache_blocks_for(cache_blocks, candidates))
-    keys = None if temperature <= 0 else candidate_keys(
-        row_keys(seed, default_streams(batch) if streams is None else streams), candidates)
+    if temperature > 0:
+        keys = candidate_keys(row_keys(seed, default_streams(batch) if streams is None else streams)
+                              if keys is None else keys, candidates)
 
     def choose(logits, index):
         if temperature <= 0.0:

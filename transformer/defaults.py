@@ -138,6 +138,16 @@ def train_defaults() -> ml_collections.ConfigDict:
     train.debug_nans = False  # jax_debug_nans: re-runs the step op by op at the first NaN to name its source (slow)
     train.wandb_project = ""  # also log to this Weights & Biases project (pip install -e ".[wandb]")
     train.profile_steps = ""  # "N-M": a profiler trace of steps N to M in workdir/profile (TensorBoard, Perfetto)
+    # A warm start (fine-tuning): "WORKDIR", "WORKDIR:STEP", "WORKDIR:best" or "WORKDIR:avgK" (the mean of its last
+    # K checkpoints): a new run's parameters and vocabulary come from that run's; optimizer, schedule and data
+    # position start afresh. "": parameters drawn from config.seed
+    train.init_from = ""
+    # mle: token-level likelihood (the paper's) | risk: minimum risk training (Shen et al. 2016; Edunov et al. 2018)
+    # mixed with it: (1 - risk_weight) x the token loss + risk_weight x each sentence's expected 1 - BLEU over
+    # risk_candidates samples of the model, per reference token (docs/training.md). Takes data.pack=false
+    train.objective = "mle"
+    train.risk_weight = 0.7  # the share of the sequence risk in the objective (Edunov et al.'s best mix: 0.7)
+    train.risk_candidates = 8  # k: samples per source sentence, drawn on the device each step (temperature 1)
     return train
 
 

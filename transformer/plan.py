@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from transformer import data, sharding
+from transformer import data, risk, sharding
 from transformer.model import ModelConfig, build
 from transformer.optim import OptimizerConfig, make_optimizer
 from transformer.settings import Settings, TrainConfig
@@ -172,13 +172,21 @@ def make_plan(settings: Settings, vocab_size: int, mesh, batch: BatchShape) -> P
                 sharding.batch_sharding(mesh, settings.mesh))
 
 
+def risk_objective(train_config: TrainConfig) -> risk.Objective | None:
+    """train.objective="risk"'s settings for the train step; None for the likelihood alone."""
+    if train_config.objective != "risk":
+        return None
+    return risk.Objective(weight=train_config.risk_weight, candidates=train_config.risk_candidates)
+
+
 def make_steps(graphdef, optimizer, schedule, train_config: TrainConfig, state_shardings, batch_sharding):
     """The jitted train step (state donated, shardings declared in and out) and eval step."""
     step_kw = dict(graphdef=graphdef, label_smoothing=train_config.label_smoothing)
     train = jax.jit(functools.partial(train_step, optimizer=optimizer, schedule=schedule,
                                       num_microbatches=train_config.num_microbatches,
                                       rng_impl=train_config.dropout_rng,
-                                      skip_nonfinite=train_config.nonfinite == "skip", **step_kw),
+                                      skip_nonfinite=train_config.nonfinite == "skip",
+                                      objective=risk_objective(train_config), **step_kw),
                     in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None),
                     donate_argnums=0)
     evaluate = jax.jit(functools.partial(eval_step, **step_kw), in_shardings=(state_shardings.params, batch_sharding))

@@ -10,13 +10,13 @@ from typing import Any
 
 from flax import nnx
 
-from transformer import checkpoint, data, files, sharding
+from transformer import checkpoint, data, errors, files, sharding
 from transformer import workdir as workdirs
 from transformer.checkpoint import Checkpointer
 from transformer.model import ModelConfig
 from transformer.optim import make_optimizer
 from transformer.plan import abstract_train_state, model_graphdef, state_shardings
-from transformer.settings import Settings, field_default
+from transformer.settings import Settings, field_default, flatten
 from transformer.tokenizer import Tokenizer
 from transformer.workdir import BEST_CHECKPOINT_DIR, CHECKPOINTS_DIR, CONFIG_FILE, PARAMS_DIR
 
@@ -62,11 +62,12 @@ class Restored:
 
 
 def restore(workdir: str, step: int | None = None, *, average_last: int = 0, best: bool = False,
-            decode_overrides: dict[str, Any] | None = None) -> Restored:
+            decode_overrides: dict[str, Any] | None = None, into: Any = None) -> Restored:
     """The config, tokenizer and parameters of `workdir` at `step` (default: the latest checkpoint), or the
     mean of the parameters of the last `average_last` checkpoints up to `step`, or (best) the checkpoint of
     the best dev BLEU. Only parameters are read, into the run's own mesh where this machine's devices can hold
-    it (else data parallel). decode_overrides replace fields of the saved decode config (e.g. beam_size)."""
+    it (else data parallel), or into `into` (abstract params with shardings: a warm start's, in its own run's
+    mesh). decode_overrides replace fields of the saved decode config (e.g. beam_size)."""
     config = load_workdir_config(workdir)
     if decode_overrides:
         config["decode"] = {**config.get("decode", {}),
@@ -98,10 +99,12 @@ def restore(workdir: str, step: int | None = None, *, average_last: int = 0, bes
         tokenizer = workdir_tokenizer(workdir, settings)
         model_config = settings.model_config(tokenizer.vocab_size)
         mesh_config, mesh = eval_mesh(settings.mesh)
-        optimizer, _ = make_optimizer(settings.optimizer, model_config.emb_dim)
-        shardings = state_shardings(model_config, optimizer, mesh, mesh_config).params
-        abstract = sharding.with_shardings(abstract_train_state(model_config, optimizer, settings.seed).params,
-                                           shardings)
+        abstract = into
+        if abstract is None:
+            optimizer, _ = make_optimizer(settings.optimizer, model_config.emb_dim)
+            shardings = state_shardings(model_config, optimizer, mesh, mesh_config).params
+            abstract = sharding.with_shardings(abstract_train_state(model_config, optimizer, settings.seed).params,
+                                               shardings)
         if named:  # the asked-for steps, or a clear error
             params = checkpoint.average_params([(holder[s], s) for s in averaged], abstract)
         else:  # the newest readable ones: a damaged newest checkpoint is named and passed over
@@ -135,3 +138,95 @@ def eval_mesh(mesh_config: sharding.MeshConfig) -> tuple[sharding.MeshConfig, An
     except ValueError:
         fallback = sharding.MeshConfig(rules=mesh_config.rules)
         return fallback, sharding.make_mesh(fallback)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Warm starts (train.init_from): a new run begins from another run's parameters and vocabulary, as fairseq's
+# --restore-file with --reset-optimizer --reset-dataloader, t5x's initial_checkpoint_path or Marian's
+# --pretrained-model do: optimizer, schedule, step and data position start afresh.
+
+# Model settings a warm start may change: they shape no parameter and change no function of them but in training.
+WARM_START_FREE = ("dropout_rate", "attention_dropout_rate", "relu_dropout_rate", "dtype", "attention", "remat",
+                   "init_std", "capacity_factor", "eval_capacity_factor", "router_balance_weight", "router_z_weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class InitFrom:
+    """train.init_from read: WORKDIR, WORKDIR:STEP, WORKDIR:best or WORKDIR:avgK."""
+
+    workdir: str
+    step: int | None = None
+    average_last: int = 0
+    best: bool = False
+
+    @classmethod
+    def parse(cls, spec: str) -> "InitFrom":
+        head, colon, tail = spec.rpartition(":")
+        # Only a known suffix is one (a gs:// path holds colons of its own).
+        if colon and head and "/" not in tail and (tail.isdigit() or tail == "best" or
+                                                   (tail.startswith("avg") and tail[3:].isdigit())):
+            if tail == "best":
+                return cls(head, best=True)
+            if tail.startswith("avg"):
+                if int(tail[3:]) < 1:
+                    raise errors.ConfigError(f"train.init_from={spec!r}: avgK needs K >= 1")
+                return cls(head, average_last=int(tail[3:]))
+            return cls(head, step=int(tail))
+        return cls(spec)
+
+
+def warm_start_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config of a run with train.init_from, checked against the source run's before any work: its model
+    settings must be the source's (but WARM_START_FREE), and its vocabulary is the source's, given as data.vocab_path
+    (a different data.vocab_path is refused). The same config is returned for every start of the run, so that a
+    resume with the same command is the same run. Without train.init_from, the config as it is."""
+    spec = config.get("train", {}).get("init_from", "")
+    if not spec:
+        return config
+    source = InitFrom.parse(spec)
+    saved = load_workdir_config(source.workdir)  # names the missing config.json of a wrong path
+    found = checkpoint_steps(source.workdir, source.best)
+    if not found or (source.step is not None and source.step not in found) or source.average_last > len(found):
+        asked = (f"checkpoint of step {source.step}" if source.step is not None else
+                 f"{source.average_last} checkpoints to average" if source.average_last else
+                 "best checkpoint" if source.best else "checkpoint")
+        raise FileNotFoundError(f"train.init_from={spec}: {source.workdir} holds no {asked}; its checkpoints: "
+                                f"{found or 'none'}")
+    ours, theirs = (flatten({"model": c.get("model", {})}) for c in (config, saved))
+    refused = [f"{key}: {theirs.get(key, field_default(key))!r} there, {ours.get(key, field_default(key))!r} here"
+               for key in sorted(set(ours) | set(theirs) | {"model.family"})
+               if key.split(".", 1)[1] not in WARM_START_FREE and ours.get(key, field_default(key)) !=
+               theirs.get(key, field_default(key))]
+    if refused:
+        raise errors.ConfigError(f"train.init_from={spec}: the model settings differ from that run's "
+                                 f"({'; '.join(refused)}); set them as there (see its config.json)")
+    seeds = int(saved.get("seed", 0)), int(config.get("seed", 0))
+    if seeds[0] != seeds[1] and any("performer" in str(value) for key, value in ours.items() if "attention" in key):
+        raise errors.ConfigError(f"train.init_from={spec}: performer's random features are drawn from config.seed, "
+                                 f"{seeds[0]} there and {seeds[1]} here: set seed={seeds[0]}")
+    vocabulary = os.path.join(source.workdir, workdirs.VOCABULARY_FILE)
+    workdirs.check_vocabulary(workdirs.read_run_file(source.workdir).get("vocabulary"), vocabulary)
+    given = config.get("data", {}).get("vocab_path", "")
+    if given and workdirs.fingerprint(given) != workdirs.fingerprint(vocabulary):
+        raise errors.ConfigError(f"train.init_from={spec} keeps that run's vocabulary, {vocabulary}, but "
+                                 f"data.vocab_path={given} is another file: leave data.vocab_path empty")
+    return {**config, "data": {**config.get("data", {}), "vocab_path": given or vocabulary}}
+
+
+def checkpoint_steps(workdir: str, best: bool = False) -> list[int]:
+    """The steps of a workdir's committed checkpoints (train states and params snapshots), or of its best one."""
+    names = [BEST_CHECKPOINT_DIR] if best else [CHECKPOINTS_DIR, PARAMS_DIR]
+    return sorted({int(entry) for name in names for entry in files.list_dir(os.path.join(workdir, name))
+                   if entry.isdigit()})
+
+
+def warm_start(spec: str, abstract_params: Any) -> tuple[Any, dict[str, Any]]:
+    """The parameters train.init_from names, read into `abstract_params` (the new run's shapes and shardings; a
+    mismatch is refused naming the parameter), and what run.json records of them."""
+    source = InitFrom.parse(spec)
+    restored = restore(source.workdir, source.step, average_last=source.average_last, best=source.best,
+                       into=abstract_params)
+    record = {"workdir": files.absolute(source.workdir), "spec": spec, "params": restored.name,
+              "step": restored.step, "averaged_steps": restored.averaged_steps, "best": restored.best,
+              "vocabulary": workdirs.read_run_file(source.workdir).get("vocabulary")}
+    return restored.params, record

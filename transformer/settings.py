@@ -15,6 +15,9 @@ from transformer.steps import DROPOUT_RNGS
 from transformer.tokenizer import Tokenizer
 
 
+OBJECTIVES = ("mle", "risk")
+
+
 @config_files.section("train")
 class TrainConfig:
     num_train_steps: int
@@ -37,6 +40,10 @@ class TrainConfig:
     debug_nans: bool
     wandb_project: str
     profile_steps: str
+    init_from: str
+    objective: str
+    risk_weight: float
+    risk_candidates: int
 
     def __post_init__(self):
         if self.num_microbatches < 1:
@@ -58,6 +65,12 @@ class TrainConfig:
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"train.label_smoothing={self.label_smoothing} must be in [0, 1)")
         self.profile_range  # validates it now
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"train.objective={self.objective!r} is not one of {OBJECTIVES}")
+        if not 0.0 <= self.risk_weight <= 1.0:
+            raise ValueError(f"train.risk_weight={self.risk_weight} must be in [0, 1]")
+        if self.risk_candidates < 2:  # one candidate has a risk of its own cost, whose gradient is 0
+            raise ValueError(f"train.risk_candidates={self.risk_candidates} must be >= 2")
 
     @property
     def profile_range(self) -> tuple[int, int] | None:
@@ -129,6 +142,13 @@ class Settings:
             joined = ", which numbers a target on from its source (half each)" if shapes.joins_pair else ""
             raise ValueError(f"model.max_length={shapes.max_length} ({table}{joined}) is shorter than "
                              f"data.max_length={settings.data.max_length}" + (" per side" if joined else ""))
+        if settings.train.objective == "risk":
+            if shapes.family != "encoder_decoder":
+                raise ValueError(f"train.objective='risk' samples translations of each source: it takes "
+                                 f"model.family='encoder_decoder', not {shapes.family!r}")
+            if settings.data.pack:  # a packed row holds several sources, and its candidates would be one sequence
+                raise ValueError("train.objective='risk' draws candidates for each source sentence, one per row: "
+                                 "set data.pack=false")
         if shapes.family == "encoder_only":  # a masked language model is scored by its masked tokens, not BLEU
             for key, value in (("bleu_every_steps", settings.train.bleu_every_steps),
                                ("keep_best_checkpoint", settings.train.keep_best_checkpoint)):

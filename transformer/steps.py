@@ -18,13 +18,13 @@ import numpy as np
 import optax
 from flax import nnx
 
-from transformer import optim
+from transformer import optim, risk
 from transformer.model import ROUTER_STATS, join_pair, positions_of, segmentation_of
 from transformer.tokenizer import EOS_ID, PAD_ID, UNK_ID
 
 PyTree = Any
 SUM_KEYS = ("loss", "nll", "correct", "denominator", "source_tokens",  # summed over batches and steps
-            "encoder_pairs", "decoder_pairs", "cross_pairs", "nonfinite") + ROUTER_STATS
+            "encoder_pairs", "decoder_pairs", "cross_pairs", "nonfinite") + ROUTER_STATS + risk.SUMS
 # A mixture of experts' router stats (model.route) leave the steps weighted by the batch's target tokens, like the
 # loss, so that microbatches and windows average them exactly; summarize divides them by the tokens.
 
@@ -175,12 +175,36 @@ def masked_batch(batch: dict[str, jax.Array], key: jax.Array, config) -> dict[st
             "stream": tokens}
 
 
+def sequence_risk(model: nnx.Module, batch: dict[str, jax.Array], *, deterministic: bool,
+                  rngs: nnx.Rngs | None) -> dict[str, jax.Array]:
+    """Minimum risk training's sums (transformer/risk.py) over batch["candidates"] [rows, k, length]: "weighted",
+    each sentence's expected risk times its reference tokens (the objective's part, so that dividing by the tokens
+    gives the token-weighted mean risk), and the SUMS metrics: the expected risks, the mean sampled BLEU (the
+    model's expected reward, estimated by its k samples) and the sentences."""
+    candidates = batch["candidates"]
+    rows, count, length = candidates.shape
+    flat = candidates.reshape(rows * count, length)
+    logits, _ = forward(model, {"inputs": jnp.repeat(batch["inputs"], count, axis=0), "targets": flat},
+                        deterministic=deterministic, rngs=rngs)
+    token_log_probs = target_logit_of(logits, flat) - jax.nn.logsumexp(logits, axis=-1)
+    log_probs = jnp.sum(jnp.where(flat != PAD_ID, token_log_probs, 0.0), axis=-1).reshape(rows, count)
+    bleu = risk.sentence_bleu(candidates, batch["targets"][:, None, :])
+    expected = risk.expected_risk(log_probs, 1.0 - bleu, risk.distinct(candidates))
+    reference_tokens = jnp.sum(batch["targets"] != PAD_ID, axis=-1).astype(jnp.float32)
+    real = reference_tokens > 0  # rows of padding weigh nothing
+    return {"weighted": jnp.sum(reference_tokens * expected), "risk": jnp.sum(jnp.where(real, expected, 0.0)),
+            "reward": jnp.sum(jnp.where(real, jnp.mean(bleu, axis=-1), 0.0)),
+            "sentences": jnp.sum(real).astype(jnp.float32)}
+
+
 def step_metrics(model: nnx.Module, batch: dict[str, jax.Array], label_smoothing: float, *, deterministic: bool,
-                 rngs: nnx.Rngs | None, mask_key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                 rngs: nnx.Rngs | None, mask_key: jax.Array | None = None,
+                 objective: risk.Objective | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(The summed training objective, the metric sums): the smoothed loss of every target token plus, for a
     mixture of experts, router_balance_weight x the load-balancing loss + router_z_weight x the z-loss, each per
     token (so the objective divided by the tokens is the mean loss plus the weighted router losses). An
-    encoder_only model's targets are its masked tokens (masked_batch, from mask_key; eval_mask_key's when None)."""
+    encoder_only model's targets are its masked tokens (masked_batch, from mask_key; eval_mask_key's when None).
+    With a risk objective (batch["candidates"] drawn), (1 - weight) x that + weight x sequence_risk's part."""
     pairs = attention_pairs(batch, model.config)
     if model.config.family == "encoder_only":
         batch = masked_batch(batch, eval_mask_key(batch) if mask_key is None else mask_key, model.config)
@@ -188,13 +212,17 @@ def step_metrics(model: nnx.Module, batch: dict[str, jax.Array], label_smoothing
     metrics = {**token_metrics(logits, batch, label_smoothing), **pairs}
     if "stream" in batch:
         metrics["source_tokens"] = jnp.sum(batch["stream"] != 0).astype(jnp.float32)
-    objective = metrics["loss"]
+    total = metrics["loss"]
     if router:
         config = model.config
-        objective = objective + metrics["denominator"] * (config.router_balance_weight * router["router_balance"]
+        total = total + metrics["denominator"] * (config.router_balance_weight * router["router_balance"]
                                                           + config.router_z_weight * router["router_z"])
         metrics.update({key: value * metrics["denominator"] for key, value in router.items()})
-    return objective, metrics
+    if objective is not None:
+        sums = sequence_risk(model, batch, deterministic=deterministic, rngs=rngs)
+        total = (1.0 - objective.weight) * total + objective.weight * sums.pop("weighted")
+        metrics.update(sums)
+    return total, metrics
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -274,13 +302,21 @@ def microbatches(batch: dict[str, jax.Array], num_microbatches: int) -> dict[str
 
 
 def gradients(params: PyTree, batch: dict[str, jax.Array], dropout_key: jax.Array, *, graphdef: nnx.GraphDef,
-              label_smoothing: float, num_microbatches: int, rng_impl: str) -> tuple[PyTree, dict[str, jax.Array]]:
+              label_smoothing: float, num_microbatches: int, rng_impl: str,
+              objective: risk.Objective | None = None) -> tuple[PyTree, dict[str, jax.Array]]:
     """Gradient of the summed objective (step_metrics) and the metric sums, over num_microbatches sequential slices
     (lax.scan): sums add up exactly, so the caller's division by the token count equals the one-big-batch
-    update. Microbatch m draws dropout from fold_in(dropout_key, m)."""
+    update. Microbatch m draws dropout from fold_in(dropout_key, m). A risk objective's candidates are drawn first,
+    for the whole batch, from dropout_key (risk.draw_candidates), and split with their rows."""
+    if objective is not None:
+        batch = {**batch, "candidates": risk.draw_candidates(params, batch["inputs"], dropout_key, graphdef=graphdef,
+                                                             candidates=objective.candidates,
+                                                             length=batch["targets"].shape[1])}
+
     def loss_fn(params, batch, key):
         return step_metrics(nnx.merge(graphdef, params), batch, label_smoothing, deterministic=False,
-                            rngs=dropout_rngs(key, rng_impl), mask_key=jax.random.fold_in(key, MASK_SALT))
+                            rngs=dropout_rngs(key, rng_impl), mask_key=jax.random.fold_in(key, MASK_SALT),
+                            objective=objective)
 
     grad_fn = jax.grad(loss_fn, has_aux=True)
     if num_microbatches == 1:
@@ -300,8 +336,8 @@ def gradients(params: PyTree, batch: dict[str, jax.Array], dropout_key: jax.Arra
 
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
                optimizer: optax.GradientTransformation, schedule: optax.Schedule, label_smoothing: float,
-               num_microbatches: int = 1, rng_impl: str = "counter_hash", skip_nonfinite: bool = False
-               ) -> tuple[TrainState, dict[str, jax.Array]]:
+               num_microbatches: int = 1, rng_impl: str = "counter_hash", skip_nonfinite: bool = False,
+               objective: risk.Objective | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
     """One Adam update on the mean smoothed loss per target token. Dropout key: fold_in(state.rng, step).
 
     metrics["nonfinite"] is 1 when the loss or the gradient norm is not finite: a flag that stays on the device
@@ -309,7 +345,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     applied (parameters and optimizer state stay as they were; the step count and the data still advance)."""
     dropout_key = jax.random.fold_in(state.rng, state.step)
     grads, metrics = gradients(state.params, batch, dropout_key, graphdef=graphdef, label_smoothing=label_smoothing,
-                               num_microbatches=num_microbatches, rng_impl=rng_impl)
+                               num_microbatches=num_microbatches, rng_impl=rng_impl, objective=objective)
     grads = jax.tree.map(lambda g: g / jnp.maximum(metrics["denominator"], 1.0), grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -340,4 +376,7 @@ def summarize(metrics: list[dict[str, Any]]) -> dict[str, float]:
                    target_tokens=total["denominator"], source_tokens=total["source_tokens"])
     summary.update({key: total[key] for key in ("encoder_pairs", "decoder_pairs", "cross_pairs") if key in total})
     summary.update({key: total[key] / denominator for key in ROUTER_STATS if key in total})
+    if "sentences" in total:  # a risk objective's: per sentence
+        summary.update(risk=total["risk"] / max(total["sentences"], 1.0),
+                       reward=total["reward"] / max(total["sentences"], 1.0))
     return summary

@@ -22,7 +22,7 @@ from transformer.console import log
 from transformer.evaluation import Evaluator, RunEvaluation, router_line
 from transformer.plan import count_params, create_train_state, make_plan, make_steps, plan_batch, recorded_batch, \
     rows_multiple
-from transformer.restore import load_workdir_config
+from transformer.restore import load_workdir_config, warm_start, warm_start_config
 from transformer.settings import Settings, check_resume_config, flatten, saved_config
 from transformer.steps import TrainState
 from transformer.token_cache import TokenCache
@@ -124,11 +124,11 @@ class Run:
     that could replace an existing file; `train()` then compiles and runs the loop."""
 
     def __init__(self, config: Mapping[str, Any], workdir: str):
-        self.config, self.workdir = config_files.plain(config), workdir
         self.is_writer = jax.process_index() == 0
         if not self.is_writer:  # one console: process 0's, from the first line on
             console.only_warnings()
-        self.settings = Settings.from_config(config)
+        self.config, self.workdir = warm_start_config(config_files.plain(config)), workdir
+        self.settings = Settings.from_config(self.config)
         files.check_storage(workdir, "--workdir")
         if files.exists(workdir) and not files.is_dir(workdir):
             raise NotADirectoryError(f"--workdir={workdir} exists and is not a directory")
@@ -173,7 +173,7 @@ class Run:
                                           use_async=train.async_checkpointing,
                                           average_last=settings.decode.average_last,
                                           before_save=lambda: workdirs.check_workdir_lock(self.lock))
-        self.state, self.data_state = self._restore_or_init()  # the data state: the data iterator's, restored
+        self.state, self.data_state, init_from = self._restore_or_init()  # the data iterator's state, restored
         if train.keep_best_checkpoint:
             self.checkpoints.open_best()
         self.evaluator = Evaluator(settings, self.plan.model_config, self.plan.graphdef, tokenizer,
@@ -183,7 +183,7 @@ class Run:
             files.write_text(os.path.join(workdir, CONFIG_FILE), saved_config(config, tokenizer))
             workdirs.record_start(workdir, self.batch, self.mesh, train.num_microbatches,
                                   workdirs.vocabulary_record(tokenizer.path, tokenizer.vocab_size),
-                                  self.corpus.train_source)
+                                  self.corpus.train_source, init_from)
 
     def close(self) -> None:
         """Commit every pending save, close the checkpoint managers, free the workdir and put the signal handlers
@@ -208,15 +208,24 @@ class Run:
         log.warning("%s during %s: stopped; %s; run the same command to %s (exit status %d)", error.signal_name,
                     error.phase, kept, then, loop.EXIT_PREEMPTED)
 
-    def _restore_or_init(self) -> tuple[TrainState, bytes | None]:
-        plan, states = self.plan, self.checkpoints.states
+    def _restore_or_init(self) -> tuple[TrainState, bytes | None, dict[str, Any] | None]:
+        """(The state, the data iterator's state, what run.json records of a warm start): this run's newest
+        checkpoint, else a new state, its parameters those train.init_from names if set."""
+        plan, states, seed = self.plan, self.checkpoints.states, self.settings.seed
+        spec = self.settings.train.init_from
         if states.latest_step() is None:
-            return create_train_state(plan.model_config, plan.optimizer, self.settings.seed, plan.state_shardings), None
+            state, record = create_train_state(plan.model_config, plan.optimizer, seed, plan.state_shardings), None
+            if spec:
+                params, record = warm_start(spec, plan.abstract_state(seed).params)
+                state = state.replace(params=params)  # Adam's moments start at zero whatever the parameters
+                log.info("initialised from %s (%s): a fresh optimizer, schedule and data position", record["workdir"],
+                         record["params"])
+            return state, None, record
         # Restored straight into this run's shardings, whatever mesh wrote the checkpoint: the newest readable one
         # (unreadable newer ones are named and moved aside); raises, touching nothing, on a shape mismatch.
-        step, state, data_state = states.restore_latest(plan.abstract_state(self.settings.seed))
+        step, state, data_state = states.restore_latest(plan.abstract_state(seed))
         log.info("resumed from %s at step %d", states.directory, step)
-        return state, data_state
+        return state, data_state, None
 
     def compile(self) -> tuple[Any, Any, float]:
         """The jitted train and eval steps, compiled once on the real shapes; returns the compile seconds."""
@@ -277,6 +286,14 @@ class Run:
         if self.data_state is not None:  # none in a checkpoint saved before any batch was drawn (0 steps)
             data.restore_iterator(iterator, self.data_state)
         return iterator
+
+
+def log_notes(summary: dict[str, float]) -> str:
+    """The end of a training log line, where they apply: the updates skipped, a mixture of experts' router stats,
+    a risk objective's expected risk and mean sampled BLEU per sentence."""
+    skipped = f", {summary['skipped_updates']} non-finite updates skipped" if summary["skipped_updates"] else ""
+    risk = f", risk {summary['risk']:.4f} sampled BLEU {summary['reward']:.4f}" if "risk" in summary else ""
+    return skipped + router_line(summary) + risk
 
 
 class Loop:
@@ -395,12 +412,11 @@ class Loop:
                   self.budget.left(self.clock.seconds))
         self.writer.write(step, summary, "train")
         self.progress.update(steps, summary)
-        skipped = f", {summary['skipped_updates']} non-finite updates skipped" if summary["skipped_updates"] else ""
         self.progress.write(f"step {step}: loss {summary['loss']:.4f} acc {summary['accuracy']:.3f} "
                             f"lr {summary['learning_rate']:.2e} grad_norm {summary['grad_norm']:.3f} "
                             f"{summary['tokens_per_second']:.0f} target tokens/s "
                             f"({summary['all_tokens_per_second']:.0f} with source), "
-                            f"MFU {summary.get('mfu', float('nan')):.3f}, ETA {eta:.0f}s{skipped}{router_line(summary)}")
+                            f"MFU {summary.get('mfu', float('nan')):.3f}, ETA {eta:.0f}s{log_notes(summary)}")
         return summary
 
     def save(self, step: int, force: bool = False) -> None:

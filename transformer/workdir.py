@@ -511,12 +511,14 @@ def provenance(batch: Any, mesh: Any, microbatches: int) -> dict[str, Any]:
 
 
 def record_start(workdir: str, batch: Any, mesh: Any, microbatches: int, vocabulary: dict[str, Any] | None = None,
-                 train_data: Any = None) -> None:
+                 train_data: Any = None, init_from: dict[str, Any] | None = None) -> None:
     """run.json: the batch shape (a plan.BatchShape), the vocabulary's record (`vocabulary_record`) and the train
-    data's fingerprint (once: a resume keeps the data stream, and is refused another vocabulary) and every start's
-    provenance, written whole."""
+    data's fingerprint (once: a resume keeps the data stream, and is refused another vocabulary), the run a warm
+    start's parameters came from (once), and every start's provenance, written whole."""
     record = read_run_file(workdir)
     record.setdefault("batch", {"rows": batch.rows, "row_length": batch.row_length})
+    if init_from is not None:
+        record.setdefault("init_from", init_from)
     if vocabulary is not None:
         record.setdefault("vocabulary", vocabulary)
         record.setdefault("train_data", train_data)
