@@ -51,9 +51,9 @@ def draw_candidates(params, inputs: jax.Array, key: jax.Array, *, graphdef: nnx.
     keys = jax.random.split(jax.random.fold_in(key, SAMPLE_SALT), rows)
     if not jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key):  # the train state's raw threefry key
         keys = jax.random.wrap_key_data(keys)
+    # max_extra_length=length makes the buffer at least `length` tokens and max_length cuts it to exactly that.
     samples = decode.greedy_search(jax.lax.stop_gradient(params), inputs, graphdef=graphdef, max_extra_length=length,
                                    temperature=1.0, candidates=candidates, keys=keys, max_length=length)
-    samples = jnp.pad(samples, ((0, 0), (0, length - samples.shape[1])))
     return jax.lax.stop_gradient(samples.reshape(rows, candidates, length))
 
 
