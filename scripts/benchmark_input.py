@@ -5,7 +5,8 @@
 Reads a line-aligned corpus (e.g. a 20k-pair Europarl v7 sample of WMT14 en-de training data), trains a
 sentencepiece vocabulary (once, in --workdir), tokenizes it into the token cache (timed, with each worker
 count), then draws --num_batches packed batches of the base config's shape (rows of --max_length,
---tokens_per_batch per step) with each worker count. Per core = tokens / CPU seconds of the process and its
+--tokens_per_batch per step) with each worker count, and again as a data.mixture of --mixture_sources equal parts of
+the corpus (the mixture's cost: gathering each chunk's pairs from several sources). Per core = tokens / CPU seconds of the process and its
 workers (so it does not depend on how busy the machine's other cores are). One H200 training the base model
 at 40% MFU consumes about 1.1M target tokens/s: the last line says how many cores that takes.
 """
@@ -24,7 +25,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from transformer import data, sources, token_cache  # noqa: E402
+from transformer import data, mixture, sources, token_cache  # noqa: E402
 
 flags.DEFINE_string("text_dir", None, "Folder of the corpus.", required=True)
 flags.DEFINE_string("prefix", "europarl-v7-first20k", "File prefix: <prefix>.<lang> in --text_dir.")
@@ -37,6 +38,8 @@ flags.DEFINE_integer("tokens_per_batch", 25_600, "Token budget per step (base.py
 flags.DEFINE_integer("num_batches", 200, "Batches drawn per measurement.")
 flags.DEFINE_list("workers", ["0", "1", "2"], "grain worker counts to measure.")
 flags.DEFINE_integer("copies", 1, "Tokenize this many copies of the corpus (amortizes worker start-up).")
+flags.DEFINE_integer("mixture_sources", 3, "Also draw the batches as a data.mixture of this many equal-weight sources "
+                     "(the corpus cut in as many parts), against one source: the mixture's overhead (0: not).")
 flags.DEFINE_string("output", "", "Also write the results as JSON here.")
 FLAGS = flags.FLAGS
 H200_TARGET_TOKENS_PER_SECOND = 1.1e6
@@ -60,10 +63,15 @@ def measure_cache(pairs, tokenizer, workers: int) -> dict:
             "target_tokens_per_cpu_second": tokens / cpu}
 
 
-def measure_batches(cache, kept, workers: int) -> dict:
+def measure_batches(cache, kept, workers: int, sources: int = 1) -> dict:
+    """Packed batches of the kept pairs: one source, or `sources` equal parts of them as a weighted mixture."""
     rows = FLAGS.tokens_per_batch // FLAGS.max_length
-    iterator = iter(data.train_dataset(cache, kept, seed=0, max_length=FLAGS.max_length, rows_per_batch=rows,
-                                       num_workers=workers))
+    common = dict(seed=0, max_length=FLAGS.max_length, rows_per_batch=rows, num_workers=workers)
+    if sources == 1:
+        iterator = iter(data.train_dataset(cache, kept, **common))
+    else:
+        parts = [mixture.Source(f"part{i}", 1.0, cache, part) for i, part in enumerate(np.array_split(kept, sources))]
+        iterator = iter(mixture.train_dataset(parts, **common))
     next(iterator)  # worker start-up is a one-off, not throughput
     wall, cpu = time.perf_counter(), cpu_seconds()
     stats = []
@@ -76,7 +84,8 @@ def measure_batches(cache, kept, workers: int) -> dict:
         iterator.close()  # reaps the workers, so their CPU time is counted
     cpu = cpu_seconds() - cpu
     target_tokens = sum(s["target_tokens"] for s in stats)
-    return {"stage": "packed batches", "workers": workers, "batches": len(stats), "rows": rows,
+    return {"stage": "packed batches" if sources == 1 else f"mixture of {sources}", "workers": workers,
+            "sources": sources, "batches": len(stats), "rows": rows,
             "max_length": FLAGS.max_length, "seconds": wall, "target_tokens": target_tokens,
             "target_tokens_per_second": target_tokens / wall,
             "source_tokens_per_second": sum(s["source_tokens"] for s in stats) / wall,
@@ -101,6 +110,8 @@ def main(argv):
     print(f"{len(cache)} pairs, {length_filter.too_long} longer than {FLAGS.max_length} tokens dropped; "
           f"mean target length {cache.lengths('targets').mean():.1f} tokens; {os.cpu_count()} cores")
     results += [measure_batches(cache, length_filter.kept, int(w)) for w in FLAGS.workers]
+    if FLAGS.mixture_sources > 1:
+        results += [measure_batches(cache, length_filter.kept, int(w), FLAGS.mixture_sources) for w in FLAGS.workers]
     for result in results:
         line = (f"{result['stage']:<20} workers={result['workers']}: {result['target_tokens_per_second']:>10,.0f} "
                 f"target tokens/s per process, {result['target_tokens_per_cpu_second']:>10,.0f} per CPU-second")
@@ -108,6 +119,12 @@ def main(argv):
             line += (f", padding {100 * result['targets_padding']:.2f}% of target / "
                      f"{100 * result['inputs_padding']:.2f}% of source positions")
         print(line)
+    one = {r["workers"]: r for r in results if r["stage"] == "packed batches"}
+    for result in results:
+        if result.get("sources", 1) > 1:
+            print(f"mixture of {result['sources']} / one source, workers={result['workers']}: "
+                  f"{result['target_tokens_per_cpu_second'] / one[result['workers']]['target_tokens_per_cpu_second']:.3f}"
+                  " of the target tokens per CPU-second")
     best = max(r["target_tokens_per_cpu_second"] for r in results if r["stage"] == "packed batches")
     print(f"one H200 at 1.1M target tokens/s needs {H200_TARGET_TOKENS_PER_SECOND / best:.2f} cores of packing "
           f"(at {best:,.0f} target tokens per CPU-second), once the cache is built")

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from transformer import throughput
+from transformer import corpus, throughput
 from transformer.model import ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,3 +95,20 @@ def test_bleu_by_length_scores_each_group_of_source_lengths(tmp_path):
     assert rows[f"1-{edge}"] == ["6", "100.00", "100.00"]
     assert rows[f"{edge + 1}+"] == ["4", "0.00", "100.00"]
     assert rows["all"] == ["10", f"{metrics.bleu(hypotheses, references)['bleu']:.2f}", "100.00"]
+
+
+def test_the_input_benchmark_compares_a_mixture_of_parts_with_one_source(tmp_path):
+    pairs = corpus.builtin_split("train", seed=1, train_size=3000)
+    for side, lang in enumerate(("en", "es")):
+        (tmp_path / f"c.{lang}").write_text("".join(pair[side] + "\n" for pair in pairs), encoding="utf-8")
+    output = tmp_path / "input.json"
+    command = [sys.executable, os.path.join(ROOT, "scripts", "benchmark_input.py"), f"--text_dir={tmp_path}",
+               "--prefix=c", "--target_lang=es", f"--workdir={tmp_path / 'w'}", "--vocab_size=300",
+               "--max_length=64", "--tokens_per_batch=1024", "--num_batches=20", "--workers=0", f"--output={output}"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = {record["stage"]: record for record in json.loads(output.read_text())}
+    one, mixed = records["packed batches"], records["mixture of 3"]
+    assert one["batches"] == mixed["batches"] == 20 and mixed["target_tokens"] > 0
+    assert abs(mixed["targets_padding"] - one["targets_padding"]) < 0.05  # the same packing of the same pairs
+    assert "mixture of 3 / one source, workers=0:" in result.stdout

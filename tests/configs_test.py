@@ -26,7 +26,7 @@ CONFIG_NAMES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(C
 
 def load(name):
     module = importlib.import_module(f"configs.{name}")
-    return module.get_config("/some/text/dir") if name in ("multi30k", "europarl") else module.get_config()
+    return module.get_config("/some/text/dir") if name in ("multi30k", "multi30k_bt", "europarl") else module.get_config()
 
 
 # Vaswani et al. 2017, Table 3: base 65M, big 213M parameters with a 37k shared vocabulary, as these configs have.

@@ -21,7 +21,7 @@ MESHES = {"data": dict(data=-1), "fsdp": dict(data=1, fsdp=-1), "fsdp_tensor": d
 
 def load(name):
     module = importlib.import_module(f"configs.{name}")
-    return module.get_config("/some/text/dir") if name in ("multi30k", "europarl") else module.get_config()
+    return module.get_config("/some/text/dir") if name in ("multi30k", "multi30k_bt", "europarl") else module.get_config()
 
 
 def main():

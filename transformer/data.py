@@ -34,7 +34,7 @@ from transformer.console import log
 from transformer.errors import DataError
 from transformer.token_cache import (CACHE_FILES, SOURCE_FILE, PairSpill, TokenCache, cache_directory, cache_record,
                                      check_cache_record, fetch_cache, in_worker_processes)
-from transformer.tokenizer import VOCAB_MODEL_TYPES, Tokenizer, train_tokenizer
+from transformer.tokenizer import SYNTHETIC_TAG, VOCAB_MODEL_TYPES, Tokenizer, train_tokenizer
 from transformer.workdir import VOCABULARY_FILE, VocabularyMismatchError, fingerprint
 
 SOURCES = ("builtin", "text", "tfds")
@@ -70,6 +70,13 @@ class DataConfig:
     pack: bool
     num_workers: int
     local_cache_dir: str
+    mixture: str
+    tag_synthetic: bool
+    filter_max_ratio: float
+    filter_duplicates: bool
+    filter_copies: bool
+    filter_max_characters: int
+    filter_language: bool
 
     def __post_init__(self):
         if self.source not in SOURCES:
@@ -87,6 +94,9 @@ class DataConfig:
             raise DataError(f"data.num_workers={self.num_workers} must be >= 0")
         if self.vocab_model_type not in VOCAB_MODEL_TYPES:
             raise DataError(f"data.vocab_model_type={self.vocab_model_type!r} is not one of {VOCAB_MODEL_TYPES}")
+        if self.filter_max_ratio and self.filter_max_ratio < 1 or self.filter_max_characters < 0:
+            raise DataError(f"data.filter_max_ratio={self.filter_max_ratio} must be 0 (off) or >= 1 and "
+                            f"data.filter_max_characters={self.filter_max_characters} >= 0 (0: off)")
         if self.vocab_max_sentences <= 0 or self.vocab_max_characters < 0:
             raise DataError(f"data.vocab_max_sentences={self.vocab_max_sentences} must be > 0 and "
                             f"data.vocab_max_characters={self.vocab_max_characters} >= 0")
@@ -254,7 +264,8 @@ def load_or_train_tokenizer(config: DataConfig, train: SplitSource | list[tuple[
     start = time.perf_counter()
     tokenizer = train_tokenizer(sentences, local, vocab_size=config.vocab_size, model_type=config.vocab_model_type,
                                 character_coverage=config.vocab_character_coverage,
-                                max_sentences=config.vocab_max_sentences, max_characters=config.vocab_max_characters)
+                                max_sentences=config.vocab_max_sentences, max_characters=config.vocab_max_characters,
+                                control_symbols=(SYNTHETIC_TAG,) if config.tag_synthetic else ())
     files.publish(local, path)
     log.info("trained the %s vocabulary %s in %.1fs", config.vocab_model_type, path, time.perf_counter() - start)
     return tokenizer
@@ -303,12 +314,15 @@ MODEL_KEYS = ("inputs", "targets", "inputs_segmentation", "targets_segmentation"
               "targets_position")
 def load_or_build_token_cache(train: SplitSource | list[tuple[str, str]], tokenizer: Tokenizer, workdir: str,
                               split: str, *, num_workers: int = 0, process_index: int | None = None,
-                              timeout_seconds: float = 3600.0, local_root: str = "") -> TokenCache:
+                              timeout_seconds: float = 3600.0, local_root: str = "",
+                              prefix: tuple[int, ...] = ()) -> TokenCache:
     """The split's cache in the workdir, found by the split's fingerprint: process 0 builds it if absent (and
     only then reads the split), the other processes wait for it. The cache is memory-mapped, so a workdir on
-    object storage holds a published copy and each host maps its fetched local one."""
+    object storage holds a published copy and each host maps its fetched local one. `prefix`: ids put before
+    every source (a synthetic corpus's tag), part of the cache's name."""
     source = as_split_source(train, split)
-    record = cache_record(tokenizer.path, source.fingerprint)
+    record = cache_record(tokenizer.path, {**source.fingerprint, "input_prefix": list(prefix)} if prefix
+                          else source.fingerprint)
     directory = cache_directory(workdir, split, record)
     local = cache_directory(files.local_directory(workdir, local_root), split, record)
     process_index = jax.process_index() if process_index is None else process_index
@@ -323,7 +337,7 @@ def load_or_build_token_cache(train: SplitSource | list[tuple[str, str]], tokeni
     elif not os.path.isdir(local):
         start = time.perf_counter()
         TokenCache.build(source.spill(os.path.dirname(local)),
-                         tokenizer.path, local, num_workers=num_workers, record=record)
+                         tokenizer.path, local, num_workers=num_workers, record=record, prefix=prefix)
         log.info("tokenized the %s split into %s in %.1fs", split, local, time.perf_counter() - start)
     check_cache_record(local, record)
     if local != directory and not files.exists(published) and process_index == 0:

@@ -34,6 +34,20 @@ def data_defaults() -> ml_collections.ConfigDict:
     data.pack = True  # several pairs per row (segments never see each other); false: one pair per row
     data.num_workers = 0  # grain worker processes that tokenize the train split and pack batches (0: in-process)
     data.local_cache_dir = ""  # a gs:// workdir's local copies (token cache, vocabulary); empty: ~/.cache/transformer
+    # Training from several corpora (transformer/mixture.py): comma-separated WEIGHT:KIND[:WHERE] entries, KIND one
+    # of main (the source above, listed once), text:DIR, synthetic:DIR (a text folder of back-translations) or
+    # tfds:NAME, each read at its train_split, e.g. "1:main,0.5:synthetic:runs/bt". Weights are shares of the
+    # training pairs. Empty: the source above alone. Valid and test always come from the source above.
+    data.mixture = ""
+    data.tag_synthetic = False  # put the control token <bt> before every source of a synthetic corpus (needs a
+    # vocabulary trained with it: set from the run's first start)
+    # Cleaning of the training sources (never valid or test), each dropped pair counted in the log:
+    data.filter_max_ratio = 0.0  # drop pairs whose sides' token counts differ by more than this factor (0: off)
+    data.filter_duplicates = False  # drop every repeat of an exact (source, target) pair but the first
+    data.filter_copies = False  # drop pairs whose source equals its target (untranslated copies)
+    data.filter_max_characters = 0  # drop pairs with a side over this many characters (0: off)
+    data.filter_language = False  # drop pairs whose sides py3langid does not identify as source_lang, target_lang
+    # (the langid extra: pip install -e ".[langid]"; its model ships in the wheel)
     return data
 
 

@@ -8,7 +8,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from transformer import config_files, data, decode, errors, loop, sharding
+from transformer import config_files, data, decode, errors, loop, mixture, sharding
 from transformer.model import ModelConfig
 from transformer.optim import OptimizerConfig
 from transformer.steps import DROPOUT_RNGS
@@ -131,6 +131,8 @@ class Settings:
                        optimizer=build(OptimizerConfig, "optimizer"), train=build(TrainConfig, "train"),
                        decode=build(decode.DecodeConfig, "decode"), mesh=build(sharding.MeshConfig, "mesh"))
         settings.decode.splits  # validates the split names now, before training
+        if settings.data.mixture:
+            mixture.parse(settings.data.mixture)
         if settings.seed < 0:
             raise ValueError(f"config.seed={settings.seed} must be >= 0")
         if shapes.row_mixing and settings.data.pack:

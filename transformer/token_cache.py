@@ -145,14 +145,15 @@ def exit_with_parent(worker_index: int, worker_count: int) -> None:
 
 
 class TokenizeChunk:
-    """pairs -> flat token ids and lengths of each side. Picklable for grain workers: it carries the
-    model's path and loads sentencepiece on first use in whichever process runs it."""
+    """pairs -> flat token ids and lengths of each side, `prefix` ids put before every source (the tag of a
+    synthetic corpus). Picklable for grain workers: it carries the model's path and loads sentencepiece on first
+    use in whichever process runs it."""
 
-    def __init__(self, model_path: str):
-        self.model_path, self._processor = model_path, None
+    def __init__(self, model_path: str, prefix: tuple[int, ...] = ()):
+        self.model_path, self.prefix, self._processor = model_path, tuple(prefix), None
 
     def __getstate__(self):
-        return {"model_path": self.model_path, "_processor": None}
+        return {"model_path": self.model_path, "prefix": self.prefix, "_processor": None}
 
     def __call__(self, pairs: list[tuple[str, str]]) -> dict[str, np.ndarray]:
         if self._processor is None:
@@ -160,6 +161,8 @@ class TokenizeChunk:
         chunk = {}
         for side, texts in (("inputs", [s for s, _ in pairs]), ("targets", [t for _, t in pairs])):
             ids = self._processor.encode(texts, add_eos=True)
+            if side == "inputs" and self.prefix:
+                ids = [[*self.prefix, *sequence] for sequence in ids]
             chunk[f"{side}_lengths"] = np.fromiter(map(len, ids), np.int64, len(ids))
             # chain.from_iterable walks the ids in C: a fifth faster than a generator over every token.
             chunk[side] = np.fromiter(itertools.chain.from_iterable(ids), np.int32, int(chunk[f"{side}_lengths"].sum()))
@@ -226,9 +229,11 @@ class TokenCache:
 
     @classmethod
     def build(cls, pairs: list[tuple[str, str]] | PairSpill, model_path: str, directory: str, *,
-              num_workers: int = 0, chunk_size: int = TOKENIZE_CHUNK, record: dict | None = None) -> "TokenCache":
-        """Tokenize `pairs` (grain, with num_workers processes) and write the cache chunk by chunk."""
-        dataset = grain.MapDataset.source(PairChunks(pairs, chunk_size)).map(TokenizeChunk(model_path))
+              num_workers: int = 0, chunk_size: int = TOKENIZE_CHUNK, record: dict | None = None,
+              prefix: tuple[int, ...] = ()) -> "TokenCache":
+        """Tokenize `pairs` (grain, with num_workers processes), `prefix` before every source, and write the cache
+        chunk by chunk."""
+        dataset = grain.MapDataset.source(PairChunks(pairs, chunk_size)).map(TokenizeChunk(model_path, prefix))
         dataset = dataset.to_iter_dataset(grain.ReadOptions(num_threads=0))
         dataset = in_worker_processes(dataset, num_workers)
         with files.naming(directory), CacheWriter(directory) as writer:

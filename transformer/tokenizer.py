@@ -1,6 +1,8 @@
 """Sentencepiece: train one joint vocabulary on the training split, save it in the workdir, load it.
 
-Ids: 0 = padding (also the decoder's start symbol), 1 = end of sentence, 2 = unknown; no BOS.
+Ids: 0 = padding (also the decoder's start symbol), 1 = end of sentence, 2 = unknown; no BOS. A vocabulary
+trained for tagged back-translation (data.tag_synthetic) also holds the control piece SYNTHETIC_TAG, which no text
+encodes to: only the data pipeline puts it before a synthetic source.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sentencepiece as spm
 from transformer.errors import VocabularyError
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
+SYNTHETIC_TAG = "<bt>"  # Caswell et al. 2019's tag of back-translated sources, a control piece
 VOCAB_MODEL_TYPES = ("unigram", "bpe")  # sentencepiece's two subword models (its char and word are not subwords)
 
 
@@ -45,6 +48,12 @@ class Tokenizer:
 
         proto = model_pb2.ModelProto.FromString(self.processor.serialized_model_proto())
         return model_pb2.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type).lower()
+
+    @property
+    def synthetic_tag(self) -> int | None:
+        """The id of the control piece SYNTHETIC_TAG, or None if this vocabulary was trained without it."""
+        tag = self.processor.piece_to_id(SYNTHETIC_TAG)
+        return tag if tag != self.processor.unk_id() and self.processor.is_control(tag) else None
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         """Each text -> int32 ids ending in EOS."""
@@ -83,7 +92,7 @@ def sample_sentences(sentences: Sequence[str], *, max_sentences: int, max_charac
 
 def train_tokenizer(sentences: Sequence[str], model_path: str, *, vocab_size: int, model_type: str = "unigram",
                     character_coverage: float = 1.0, max_sentences: int = 1_000_000, max_characters: int = 0,
-                    seed: int = 0) -> Tokenizer:
+                    seed: int = 0, control_symbols: Sequence[str] = ()) -> Tokenizer:
     """Train a sentencepiece model (`model_type` unigram or bpe) on a seeded sample of `sentences` and write
     `model_path`.
 
@@ -98,7 +107,7 @@ def train_tokenizer(sentences: Sequence[str], model_path: str, *, vocab_size: in
             sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size, model_type=model_type,
             character_coverage=character_coverage, pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=-1,
             input_sentence_size=max_sentences, shuffle_input_sentence=True, num_threads=os.cpu_count() or 1,
-            minloglevel=2)
+            minloglevel=2, **({"control_symbols": list(control_symbols)} if control_symbols else {}))
     except RuntimeError as error:
         # sentencepiece says e.g. "Vocabulary size too high (8000). Please set it to a value <= 1234."
         raise VocabularyError(

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from transformer import config_files, console, data, files, loop, metrics, sharding, throughput
+from transformer import config_files, console, data, files, loop, metrics, mixture, sharding, throughput
 from transformer import workdir as workdirs
 from transformer.checkpoint import RunCheckpoints, abstract_like
 from transformer.console import log
@@ -39,6 +39,7 @@ class Corpus:
     train_cache: TokenCache  # the tokenized train split
     train_kept: np.ndarray  # indices into train_cache of the pairs within max_length
     train_source: Any = None  # the train split's fingerprint (what its token cache was built from)
+    mixture: list[mixture.Source] = dataclasses.field(default_factory=list)  # data.mixture's sources, main among them
 
 
 def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
@@ -46,6 +47,8 @@ def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
     training), then the tokenizer and the train split's token cache. The train split itself is read (once,
     streamed) only when its vocabulary or its cache must be built: a restart does not read it."""
     pairs = data.SplitPairs(settings.data)  # the train split's text is read only if decoded (bleu_splits)
+    if settings.data.mixture:
+        mixture.fingerprints(settings.data)  # a mixture's missing source fails before any corpus is read
     for split in splits:
         if split != "train" and not pairs[split]:
             raise data.DataError(f"the {split} split has no sentence pairs")
@@ -67,11 +70,14 @@ def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
                         recorded["train_data"], os.path.join(workdir, RUN_FILE))
         cache = data.load_or_build_token_cache(train, tokenizer, workdir, "train", num_workers=settings.data.num_workers,
                                                local_root=settings.data.local_cache_dir)
-    length_filter = data.LengthFilter.of(cache, settings.data.max_length)
-    log.info("train: %d pairs, %d dropped for length > %d tokens", len(length_filter.kept), length_filter.too_long,
-             settings.data.max_length)
-    if not len(length_filter.kept):
-        raise data.DataError(f"every train pair is longer than data.max_length={settings.data.max_length} tokens")
+    cleaned = mixture.clean(cache, settings.data, tokenizer)
+    log.info(cleaned.line("main"))
+    if not len(cleaned.kept):
+        raise data.DataError(f"no train pair is left after data.max_length={settings.data.max_length} and the "
+                             "data.filter_* settings")
+    sources = (mixture.load_sources(settings.data, tokenizer, workdir, mixture.Source("main", 1.0, cache,
+                                                                                      cleaned.kept))
+               if settings.data.mixture else [])
     valid = TokenCache.tokenize(tokenizer, pairs["valid"])
     valid_filter = data.LengthFilter.of(valid, settings.data.max_length)
     decoded = "" if settings.model.get("family") == "encoder_only" else " (BLEU decodes them all)"
@@ -79,14 +85,15 @@ def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
              valid_filter.too_long, settings.data.max_length, decoded)
     if not len(valid_filter.kept):
         raise data.DataError(f"every valid pair is longer than data.max_length={settings.data.max_length} tokens")
-    return Corpus(tokenizer, pairs, valid, valid_filter.kept, cache, length_filter.kept, source)
+    return Corpus(tokenizer, pairs, valid, valid_filter.kept, cache, cleaned.kept, source, sources)
 
 
-def batches_with_states(iterator) -> Iterator[tuple[dict, bytes]]:
-    """(batch, the iterator's state right after it): the state a checkpoint of that batch's step saves."""
+def batches_with_states(iterator, shares: mixture.Shares | None = None) -> Iterator[tuple[dict, bytes]]:
+    """(batch, the iterator's state right after it): the state a checkpoint of that batch's step saves. A
+    mixture's batches leave their source counts in `shares` (on the host: no sync)."""
     while True:
         batch = next(iterator)
-        yield batch, data.iterator_state_json(iterator)
+        yield shares.take(batch) if shares else batch, data.iterator_state_json(iterator)
 
 
 def prefetch_to_device(batches: Iterator[tuple[dict, Any]], batch_sharding, size: int = 2
@@ -167,6 +174,7 @@ class Run:
             jax.config.update("jax_debug_nans", True)
         workdirs.use_compilation_cache(train.compilation_cache_dir, workdir)
         self.corpus = load_corpus(settings, workdir, splits)
+        self.shares = mixture.Shares([source.label for source in self.corpus.mixture]) if self.corpus.mixture else None
         tokenizer = self.corpus.tokenizer
         self.plan = make_plan(settings, tokenizer.vocab_size, self.mesh, self.batch)
         self.checkpoints = RunCheckpoints(workdir, every=train.checkpoint_every_steps, keep=train.keep_checkpoints,
@@ -260,7 +268,8 @@ class Run:
             iterator = self.train_iterator()
             part = Loop(self, train, start_step)
             try:
-                stop = part.run_steps(prefetch_to_device(batches_with_states(iterator), self.plan.batch_sharding))
+                stop = part.run_steps(prefetch_to_device(batches_with_states(iterator, self.shares),
+                                                         self.plan.batch_sharding))
             finally:
                 part.profile.stop()
                 if hasattr(iterator, "close"):
@@ -279,10 +288,10 @@ class Run:
     def train_iterator(self):
         """The grain iterator of this process's training batches, positioned after the restored step's batch."""
         settings = self.settings.data
-        iterator = iter(data.train_dataset(
-            self.corpus.train_cache, self.corpus.train_kept, seed=self.settings.seed, max_length=settings.max_length,
-            rows_per_batch=self.batch.rows, shard=data.Shard.of_process(), num_workers=settings.num_workers,
-            pack=settings.pack))
+        common = dict(seed=self.settings.seed, max_length=settings.max_length, rows_per_batch=self.batch.rows,
+                      shard=data.Shard.of_process(), num_workers=settings.num_workers, pack=settings.pack)
+        iterator = iter(mixture.train_dataset(self.corpus.mixture, **common) if self.corpus.mixture else
+                        data.train_dataset(self.corpus.train_cache, self.corpus.train_kept, **common))
         if self.data_state is not None:  # none in a checkpoint saved before any batch was drawn (0 steps)
             data.restore_iterator(iterator, self.data_state)
         return iterator
@@ -293,7 +302,8 @@ def log_notes(summary: dict[str, float]) -> str:
     a risk objective's expected risk and mean sampled BLEU per sentence."""
     skipped = f", {summary['skipped_updates']} non-finite updates skipped" if summary["skipped_updates"] else ""
     risk = f", risk {summary['risk']:.4f} sampled BLEU {summary['reward']:.4f}" if "risk" in summary else ""
-    return skipped + router_line(summary) + risk
+    shares = " ".join(f"{key[6:]} {value:.0%}" for key, value in summary.items() if key.startswith("share_"))
+    return skipped + router_line(summary) + risk + (f", target tokens from {shares}" if shares else "")
 
 
 class Loop:
@@ -405,6 +415,7 @@ class Loop:
         steps, self.last_step = step - self.last_step, step
         self.budget.update(step, steps, before, self.clock.seconds)
         summary["train_seconds"] = self.clock.seconds  # training only: no compilation or evaluation
+        summary.update(self.run.shares.summary() if self.run.shares else {})
         # The share of the window spent getting the next batch: near 1, the run is input-bound.
         summary["input_wait_fraction"], self.window.input_seconds = self.window.input_seconds / max(seconds, 1e-9), 0.0
         summary.update(throughput.window_metrics(summary, self.run.plan.model_config, seconds, steps, self.peak_flops))

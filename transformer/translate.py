@@ -59,26 +59,37 @@ def translate_stream(restored: Restored, lines: Iterable[str], out: TextIO, batc
     """Translate every line of `lines` (sources.decode_lines' text) into `out`, a batch at a time (batch_size rounded up to whole rows per
     device); with nbest, write each line's n-best list instead. Inputs longer than the bound are cut, with one
     warning at the end naming `name` and the lines. Returns the number of lines."""
+    count = 0
+    for chunk, written in translated_batches(restored, lines, batch_size, nbest, name):
+        if jax.process_index() == 0:  # every process holds every translation
+            out.writelines(line + "\n" for line in written)
+            out.flush()
+        count += len(chunk)
+    return count
+
+
+def translated_batches(restored: Restored, lines: Iterable[str], batch_size: int, nbest: int = 0,
+                       name: str = "stdin", start: int = 0) -> Iterator[tuple[list[str], list[str]]]:
+    """(input lines, output lines) a batch at a time, every process getting all of them; `start`: the lines
+    before `lines` (a resumed job's), which number the n-best lists and pin sampling's call index to
+    start // rows + batch, so a job resumed at a batch boundary samples as if it had never stopped."""
     settings = restored.settings.decode
     search = settings.search_fn(restored.graphdef, restored.settings.seed, scores=nbest > 0)
     bound = restored.input_bound
     batch_sharding = restored.batch_sharding
-    rows, count, cut_lines = batching.device_rows(batch_size, batch_sharding), 0, []
+    rows, count, cut_lines = batching.device_rows(batch_size, batch_sharding), start, []
     for chunk in chunks(lines, rows):
         decoded = decode.search_sentences(search, restored.params, restored.tokenizer, chunk, rows, bound,
                                           name=None, max_tokens_per_batch=settings.max_tokens_per_batch,
-                                          batch_sharding=batch_sharding)
+                                          batch_sharding=batch_sharding, call=count // rows)
         if nbest:
             written = decode.nbest_lines(decoded.nbest(nbest), restored.tokenizer, first_index=count)
         else:
             written = [one_line(text) for text in decoded.translations(restored.tokenizer)]
-        if jax.process_index() == 0:  # every process holds every translation
-            out.writelines(line + "\n" for line in written)
-            out.flush()
+        yield chunk, written
         cut_lines += [count + line for line in decoded.cut_lines]
         count += len(chunk)
-    batching.warn_cut(name, cut_lines, count, bound)
-    return count
+    batching.warn_cut(name, cut_lines, count - start, bound)
 
 
 def main(argv):
