@@ -73,3 +73,16 @@ def test_a_killed_job_started_again_writes_what_an_uninterrupted_one_writes(reve
     assert record["complete"] and record["lines"] == 301
     for name in ("train.en", "train.es"):
         assert (out / name).read_bytes() == (tmp_path / "straight" / name).read_bytes()
+
+
+def test_back_translation_over_4_devices_writes_what_one_device_writes(reverse, tmp_path):
+    workdir, mono, _ = reverse
+    back_translate.back_translate(sampled(workdir), workdir, mono, str(tmp_path / "one"), "train", 8)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-m", "transformer.back_translate", f"--workdir={workdir}",
+                             f"--input={mono}", f"--output_dir={tmp_path / 'four'}", "--temperature=1",
+                             "--batch_size=8"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((tmp_path / "four" / back_translate.MANIFEST).read_text())["devices"] == 4
+    for name in ("train.en", "train.es"):
+        assert (tmp_path / "four" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()

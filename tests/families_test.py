@@ -207,6 +207,7 @@ def vocab_size_of(workdir) -> int:
     return json.loads((workdir / "config.json").read_text())["data"]["vocab_size"]  # the tokenizer's
 
 
+@pytest.mark.slow  # a whole run that learns: ~25 s on 2 cores
 def test_a_decoder_only_run_learns_decodes_with_beam_search_and_scores_bleu(tmp_path):
     workdir = tmp_path / "decoder_only"
     config = make_tiny_config(**{"model.family": "decoder_only", "model.num_encoder_layers": 0,
@@ -227,6 +228,7 @@ def test_a_decoder_only_run_learns_decodes_with_beam_search_and_scores_bleu(tmp_
     assert f"test BLEU {result['bleu']['test']['bleu']:.2f}" in scores.stdout  # eval.py decodes as the run did
 
 
+@pytest.mark.slow  # a whole run that learns: ~25 s on 2 cores
 def test_an_encoder_only_run_learns_reports_masked_accuracy_and_loads_as_a_feature_extractor(tmp_path):
     workdir = tmp_path / "encoder_only"
     overrides = {**TINY_OVERRIDES, "model.family": "encoder_only", "model.num_decoder_layers": 0,

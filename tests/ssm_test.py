@@ -226,6 +226,7 @@ def test_what_the_mixer_cannot_be_is_refused_by_name(fields, message):
         ModelConfig(**{**SHAPE, **fields})
 
 
+@pytest.mark.slow  # a whole run that learns: ~25 s on 2 cores
 def test_a_hybrid_run_learns_and_decodes_with_beam_search(tmp_path):
     """configs/hybrid.py's pattern over a tiny model's 3 decoder layers, 40 steps: above chance on valid, and both
     splits translated with beam search through the mixer's cached decoding."""

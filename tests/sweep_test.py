@@ -384,6 +384,7 @@ def test_plot_writes_a_png(tmp_path):
 # A real sweep: 2 tiny points, one of which fails
 
 
+@pytest.mark.slow  # three runs of a sweep, one failing: ~50 s on 2 cores
 @pytest.mark.parametrize("key, good_value, bad_value, error", [
     # A bad override that only training can find: fails in ~5 s, which keeps this test fast.
     ("data.builtin_valid_size", 64, 0, "the valid split has no sentence pairs"),

@@ -89,7 +89,7 @@ def back_translate(restored, workdir: str, input_path: str, output_dir: str, spl
     record = {"workdir": os.path.abspath(workdir) if files.is_local(workdir) else workdir,
               "model": restored.name, "input": os.path.abspath(input_path), "source_lang": data.source_lang,
               "target_lang": data.target_lang, "decode": decoding, "seed": restored.settings.seed,
-              "lines": done, "complete": False}
+              "devices": jax.device_count(), "processes": jax.process_count(), "lines": done, "complete": False}
     if done:
         console.log.info("%s: %d lines already translated in %s; going on from line %d", input_path, done,
                          output_dir, done + 1)
