@@ -45,7 +45,7 @@ def settings_of(**overrides) -> Settings:
 @pytest.fixture(scope="module")
 def mixed(folders, tmp_path_factory):
     """A corpus of three sources, weights 3 : 1 : 1, the synthetic one tagged."""
-    spec = f"3:main,1:text:{folders['text']},1:synthetic:{folders['synthetic']}"
+    spec = f"3:main,1:builtin:7,1:synthetic:{folders['synthetic']}"
     settings = settings_of(**{"data.mixture": spec, "data.tag_synthetic": True})
     workdir = str(tmp_path_factory.mktemp("mixed"))
     return settings, trainer.load_corpus(settings, workdir, ["train", "valid"])
@@ -56,6 +56,7 @@ def mixed(folders, tmp_path_factory):
     ("1:main,x:text:d", "'x' is not a weight"),
     ("1:main,1:web:d", "the kind 'web' is not one of"),
     ("1:main,1:text", "text needs a location"),
+    ("1:main,1:builtin:x", "builtin takes the generator's seed"),
     ("1:main:d", "main is the source of data.source and takes no location"),
     ("1:text:d", "must list the main source"),
     ("1:main,1:text:d,2:text:d", "lists text:d twice"),
@@ -103,7 +104,7 @@ def test_each_filter_drops_exactly_what_it_names_on_a_hand_built_file(tmp_path):
 def test_the_sources_shares_of_the_batches_match_their_weights(mixed):
     settings, corpus_ = mixed
     sources = corpus_.mixture
-    assert [s.label for s in sources] == ["main", "text", "synthetic"]
+    assert [s.label for s in sources] == ["main", "builtin", "synthetic"]
     iterator = iter(mixture.train_dataset(sources, seed=0, max_length=48, rows_per_batch=8, chunk_batches=16))
     tokens = sum(next(iterator)[mixture.SOURCE_TOKENS] for _ in range(300))
     mean_targets = np.array([s.cache.lengths("targets")[s.kept].mean() for s in sources])
@@ -156,7 +157,8 @@ def test_processes_shards_of_a_mixture_make_up_its_one_process_batches(mixed):
 
 
 def test_a_resumed_mixture_run_ends_with_the_same_parameters_bitwise_and_logs_the_shares(folders, tmp_path):
-    overrides = {"data.mixture": f"2:main,1:synthetic:{folders['synthetic']}", "data.tag_synthetic": True,
+    overrides = {"data.mixture": f"2:main,0.5:text:{folders['text']},1:synthetic:{folders['synthetic']}",
+                 "data.tag_synthetic": True,
                  "data.filter_duplicates": True, "train.num_train_steps": 4, "decode.bleu_splits": ""}
     trainer.Run(make_tiny_config(**overrides), str(tmp_path / "straight")).train()
     trainer.Run(make_tiny_config(**{**overrides, "train.num_train_steps": 2}), str(tmp_path / "resumed")).train()
@@ -166,8 +168,8 @@ def test_a_resumed_mixture_run_ends_with_the_same_parameters_bitwise_and_logs_th
     assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool((np.asarray(a) == np.asarray(b)).all()),
                                             straight.params, resumed.params)))
     records = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
-    shares = [(r["share_main"], r["share_synthetic"]) for r in records if r["split"] == "train"]
-    assert shares and all(abs(main + bt - 1) < 1e-9 and 0.4 < main < 0.9 for main, bt in shares)
+    shares = [(r["share_main"], r["share_text"], r["share_synthetic"]) for r in records if r["split"] == "train"]
+    assert shares and all(abs(sum(share) - 1) < 1e-9 and 0.3 < share[0] < 0.9 and share[1] > 0 for share in shares)
 
 
 def test_a_mixture_with_a_missing_folder_is_refused_before_any_corpus_is_read(tmp_path):

@@ -35,8 +35,8 @@ def data_defaults() -> ml_collections.ConfigDict:
     data.num_workers = 0  # grain worker processes that tokenize the train split and pack batches (0: in-process)
     data.local_cache_dir = ""  # a gs:// workdir's local copies (token cache, vocabulary); empty: ~/.cache/transformer
     # Training from several corpora (transformer/mixture.py): comma-separated WEIGHT:KIND[:WHERE] entries, KIND one
-    # of main (the source above, listed once), text:DIR, synthetic:DIR (a text folder of back-translations) or
-    # tfds:NAME, each read at its train_split, e.g. "1:main,0.5:synthetic:runs/bt". Weights are shares of the
+    # of main (the source above, listed once), text:DIR, synthetic:DIR (a text folder of back-translations),
+    # tfds:NAME or builtin:SEED (the built-in corpus with that seed), each read at its train_split, e.g. "1:main,0.5:synthetic:runs/bt". Weights are shares of the
     # training pairs. Empty: the source above alone. Valid and test always come from the source above.
     data.mixture = ""
     data.tag_synthetic = False  # put the control token <bt> before every source of a synthetic corpus (needs a

@@ -1,7 +1,8 @@
 """Training data from several corpora, and its cleaning: data.mixture's weighted sources (each tokenized once into
 its own token cache, sampled by weight into the same packed batches) and data.filter_*'s named filters.
 
-A mixture is a list of `WEIGHT:KIND[:WHERE]` entries (transformer/defaults.py). Source i gets the share
+A mixture is a list of `WEIGHT:KIND[:WHERE]` entries (transformer/defaults.py): main, text:DIR, synthetic:DIR,
+tfds:NAME or builtin:SEED. Source i gets the share
 w_i / sum(w) of the training pairs, exactly: chunk c of the stream takes the pairs floor(c P s_i) up to
 floor((c + 1) P s_i) of source i's own endless stream (epochs of a permutation of its kept pairs, reseeded each
 epoch), P pairs per chunk, shuffles them together and packs them as data.py packs one source. Quotas, not a draw
@@ -33,7 +34,7 @@ from transformer.errors import DataError
 from transformer.token_cache import TokenCache, in_worker_processes
 from transformer.tokenizer import SYNTHETIC_TAG, Tokenizer
 
-KINDS = ("main", "text", "synthetic", "tfds")
+KINDS = ("main", "text", "synthetic", "tfds", "builtin")
 SOURCE_TOKENS = "source_tokens"  # a mixture batch's extra key: target tokens of each source in the global batch
 _HASH_BLOCK = 1 << 20  # pairs hashed at a time: bounds the filters' memory on a WMT-sized cache
 
@@ -69,7 +70,9 @@ def parse(spec: str) -> list[Entry]:
         if (kind == "main") == bool(where):
             raise DataError(f"data.mixture entry {text!r}: " + (
                 "main is the source of data.source and takes no location" if where else
-                f"{kind} needs a location ({kind}:{'NAME' if kind == 'tfds' else 'DIR'})"))
+                f"{kind} needs a location ({kind}:{ {'tfds': 'NAME', 'builtin': 'SEED'}.get(kind, 'DIR')})"))
+        if kind == "builtin" and not where.isdigit():
+            raise DataError(f"data.mixture entry {text!r}: builtin takes the generator's seed, an integer >= 0")
         if any((e.kind, e.where) == (kind, where) for e in entries):
             raise DataError(f"data.mixture lists {kind}{':' + where if where else ''} twice; give it one weight")
         entries.append(Entry(value, kind, where))
@@ -92,6 +95,8 @@ def entry_config(config: data.DataConfig, entry: Entry) -> data.DataConfig:
         return config
     if entry.kind == "tfds":
         return dataclasses.replace(config, source="tfds", tfds_name=entry.where)
+    if entry.kind == "builtin":  # the built-in grammar with another seed, at data.builtin_train_size
+        return dataclasses.replace(config, source="builtin", builtin_seed=int(entry.where))
     return dataclasses.replace(config, source="text", text_dir=entry.where)
 
 
