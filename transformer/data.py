@@ -394,6 +394,15 @@ def first_fit(input_lengths: np.ndarray, target_lengths: np.ndarray, *, rows: in
     return batches
 
 
+def pair_tokens(cache: TokenCache, side: str, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One side's tokens of the cache pairs `pairs`, concatenated in that order (int32, one numpy gather), each
+    pair's length, and each token's position within its pair."""
+    flat, offsets = cache.arrays[side], cache.arrays["input_offsets" if side == "inputs" else "target_offsets"]
+    starts, lengths = offsets[pairs], offsets[pairs + 1] - offsets[pairs]
+    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.asarray(flat[np.repeat(starts, lengths) + within], np.int32), lengths, within
+
+
 def assemble(cache: TokenCache, rows: list[list[int]], num_rows: int, max_length: int) -> Batch:
     """Packed arrays [num_rows, max_length] of the cache pairs in `rows`, gathered by numpy without a
     Python loop over tokens; rows beyond len(rows) are padding."""
@@ -402,15 +411,12 @@ def assemble(cache: TokenCache, rows: list[list[int]], num_rows: int, max_length
     first_of_row = np.searchsorted(row_of, row_of)  # index of the first pair of each pair's row
     segment = np.arange(len(pairs)) - first_of_row + 1
     batch = {}
-    for side, offsets_name in (("inputs", "input_offsets"), ("targets", "target_offsets")):
-        flat, offsets = cache.arrays[side], cache.arrays[offsets_name]
-        starts, lengths = offsets[pairs], offsets[pairs + 1] - offsets[pairs]
+    for side in ("inputs", "targets"):
+        tokens, lengths, within = pair_tokens(cache, side, pairs)
         before = np.cumsum(lengths) - lengths  # tokens of all earlier pairs
         column = before - before[first_of_row]  # a pair's first column: the pairs before it in its row
-        within = np.arange(int(lengths.sum())) - np.repeat(before, lengths)
         destination = np.repeat(row_of * max_length + column, lengths) + within
-        values = {side: np.asarray(flat[np.repeat(starts, lengths) + within], np.int32),
-                  f"{side}_segmentation": np.repeat(segment, lengths), f"{side}_position": within}
+        values = {side: tokens, f"{side}_segmentation": np.repeat(segment, lengths), f"{side}_position": within}
         for key, value in values.items():
             array = np.zeros(num_rows * max_length, np.int32)
             array[destination] = value

@@ -267,16 +267,9 @@ def gather(caches: Sequence[TokenCache], indices: Sequence[np.ndarray]) -> Token
     """The pairs indices[i] of caches[i], in that order, as one cache in memory (numpy gathers, no loop per pair)."""
     arrays: dict[str, np.ndarray] = {}
     for side, offsets_name in (("inputs", "input_offsets"), ("targets", "target_offsets")):
-        tokens, lengths = [], []
-        for cache, chosen in zip(caches, indices):
-            offsets = cache.arrays[offsets_name]
-            starts = np.asarray(offsets[chosen], np.int64)
-            counts = np.asarray(offsets[chosen + 1], np.int64) - starts
-            within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-            tokens.append(np.asarray(cache.arrays[side][np.repeat(starts, counts) + within], np.int32))
-            lengths.append(counts)
-        arrays[side] = np.concatenate(tokens)
-        arrays[offsets_name] = np.concatenate([[0], np.cumsum(np.concatenate(lengths))])
+        parts = [data.pair_tokens(cache, side, chosen)[:2] for cache, chosen in zip(caches, indices)]
+        arrays[side] = np.concatenate([tokens for tokens, _ in parts])
+        arrays[offsets_name] = np.concatenate([[0], np.cumsum(np.concatenate([lengths for _, lengths in parts]))])
     return TokenCache(None, arrays)
 
 
