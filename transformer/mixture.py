@@ -363,23 +363,25 @@ class Shares:
         return {f"share_{name}": float(count) / total for name, count in zip(self.names, tokens)}
 
 
-def fingerprints(config: data.DataConfig) -> list[dict[str, Any]]:
-    """Each entry's train split fingerprint, found without reading it: a missing folder, file or dataset fails
-    here, before any corpus is read or tokenized."""
-    return [data.split_fingerprint(entry_config(config, entry), "train") for entry in parse(config.mixture)]
+def fingerprints(config: data.DataConfig) -> list[dict[str, Any] | None]:
+    """Each entry's train split fingerprint (None for main, which the trainer fingerprints itself), found without
+    reading it: a missing folder, file or dataset fails here, before any corpus is read or tokenized."""
+    return [None if entry.kind == "main" else data.split_fingerprint(entry_config(config, entry), "train")
+            for entry in parse(config.mixture)]
 
 
-def load_sources(config: data.DataConfig, tokenizer: Tokenizer, workdir: str, main: Source) -> list[Source]:
-    """data.mixture's sources, `main` (the main source's cache, cleaned) among them in its place: each other one's
-    train split fingerprinted, tokenized into its own cache (once; process 0 builds, the others wait) and
-    cleaned, with its counts logged."""
+def load_sources(config: data.DataConfig, tokenizer: Tokenizer, workdir: str, main: Source,
+                 found: Sequence[dict[str, Any] | None]) -> list[Source]:
+    """data.mixture's sources, `main` (the main source's cache, cleaned) among them in its place: each other one,
+    known by its fingerprint in `found` (`fingerprints`), tokenized into its own cache (once; process 0 builds, the
+    others wait) and cleaned, with its counts logged."""
     entries, sources = parse(config.mixture), []
-    for entry, label in zip(entries, labels(entries)):
+    for entry, label, fingerprint in zip(entries, labels(entries), found):
         if entry.kind == "main":
             sources.append(dataclasses.replace(main, label=label, weight=entry.weight))
             continue
         prefix = input_prefix(entry, config, tokenizer)
-        with data.split_source(entry_config(config, entry), "train") as split:
+        with data.SplitSource("train", fingerprint, data.iter_split(entry_config(config, entry), "train")) as split:
             cache = data.load_or_build_token_cache(split, tokenizer, workdir, "train", num_workers=config.num_workers,
                                                    local_root=config.local_cache_dir, prefix=prefix)
         cleaned = clean(cache, config, tokenizer, skip=len(prefix))

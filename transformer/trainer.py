@@ -47,8 +47,8 @@ def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
     training), then the tokenizer and the train split's token cache. The train split itself is read (once,
     streamed) only when its vocabulary or its cache must be built: a restart does not read it."""
     pairs = data.SplitPairs(settings.data)  # the train split's text is read only if decoded (bleu_splits)
-    if settings.data.mixture:
-        mixture.fingerprints(settings.data)  # a mixture's missing source fails before any corpus is read
+    # A mixture's missing source fails here, before any corpus is read.
+    found = mixture.fingerprints(settings.data) if settings.data.mixture else []
     for split in splits:
         if split != "train" and not pairs[split]:
             raise data.DataError(f"the {split} split has no sentence pairs")
@@ -75,9 +75,8 @@ def load_corpus(settings: Settings, workdir: str, splits: list[str]) -> Corpus:
     if not len(cleaned.kept):
         raise data.DataError(f"no train pair is left after data.max_length={settings.data.max_length} and the "
                              "data.filter_* settings")
-    sources = (mixture.load_sources(settings.data, tokenizer, workdir, mixture.Source("main", 1.0, cache,
-                                                                                      cleaned.kept))
-               if settings.data.mixture else [])
+    main = mixture.Source("main", 1.0, cache, cleaned.kept)
+    sources = mixture.load_sources(settings.data, tokenizer, workdir, main, found) if found else []
     valid = TokenCache.tokenize(tokenizer, pairs["valid"])
     valid_filter = data.LengthFilter.of(valid, settings.data.max_length)
     decoded = "" if settings.model.get("family") == "encoder_only" else " (BLEU decodes them all)"
