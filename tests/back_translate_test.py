@@ -86,3 +86,12 @@ def test_back_translation_over_4_devices_writes_what_one_device_writes(reverse, 
     assert json.loads((tmp_path / "four" / back_translate.MANIFEST).read_text())["devices"] == 4
     for name in ("train.en", "train.es"):
         assert (tmp_path / "four" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
+
+
+def test_a_missing_input_is_named_before_anything_is_restored_or_written(reverse, tmp_path):
+    workdir, _, _ = reverse
+    result = subprocess.run([sys.executable, "-m", "transformer.back_translate", f"--workdir={workdir}",
+                             f"--input={tmp_path / 'nope.de'}", f"--output_dir={tmp_path / 'out'}"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and f"--input={tmp_path / 'nope.de'}: no such file" in result.stderr
+    assert not (tmp_path / "out").exists()

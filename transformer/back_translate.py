@@ -125,6 +125,8 @@ def main(argv):
     console.route_libraries()
     if not FLAGS.input or not FLAGS.output_dir:
         raise errors.ConfigError("back-translation needs --input (the monolingual text) and --output_dir")
+    if not files.exists(FLAGS.input) or files.is_dir(FLAGS.input):
+        raise errors.ConfigError(f"--input={FLAGS.input}: no such file (the monolingual text, one sentence per line)")
     if FLAGS.output or FLAGS.nbest:
         raise errors.ConfigError("--output and --nbest are translate's: back-translation writes --output_dir")
     if not files.is_local(FLAGS.output_dir):
