@@ -46,21 +46,21 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from transformer import console, errors
+from transformer import console, errors, marian
 from transformer.cli import restore_for_command_line
 from transformer.restore import Restored, load_workdir_config
 from transformer.settings import Settings
 from transformer.model import ModelConfig, unstack_layer_params
 from transformer.tokenizer import EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
-FORMATS = ("hf",)
-MARIAN_LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default: Marian's layers take no epsilon from the config
+FORMATS = ("hf", "ctranslate2")
+MARIAN_LAYER_NORM_EPSILON = marian.LAYER_NORM_EPSILON
 MIN_POSITIONS = 1024  # Marian's sinusoid table: at least this long, though ours have no limit
 # The ModelConfig fields the export maps or checks (compute dtype, attention kernel, remat and init change neither
 # the parameters nor the function). A field added later is refused when it is not at its default, until mapped.
 MAPPED_FIELDS = frozenset({
     "vocab_size", "emb_dim", "num_heads", "num_encoder_layers", "num_decoder_layers", "mlp_dim", "dropout_rate",
-    "attention_dropout_rate", "relu_dropout_rate", "positional_encoding", "max_length", "layer_norm",
+    "attention_dropout_rate", "relu_dropout_rate", "activation", "projection_bias", "output_bias", "positional_encoding", "max_length", "layer_norm",
     "layer_norm_epsilon", "share_embeddings", "tie_output_embedding", "dtype", "attention", "remat", "scan_layers",
     "init_std"})
 
@@ -72,7 +72,8 @@ class ExportError(errors.ReportedError, ValueError):
 def define_flags() -> None:
     """Defined only when run as a script, so that tests can import several scripts into one process."""
     flags.DEFINE_string("workdir", None, "A directory written by train.py.", required=True)
-    flags.DEFINE_enum("format", None, list(FORMATS), "hf: a Hugging Face MarianMTModel directory.", required=True)
+    flags.DEFINE_enum("format", None, list(FORMATS), "hf: a Hugging Face MarianMTModel directory; ctranslate2: a "
+                      "CTranslate2 model (ctranslate2.Translator).", required=True)
     flags.DEFINE_string("output", None, "The directory to write; must not exist, or be empty "
                         "(default: workdir/export/<format>.<model>, e.g. hf.step750 or hf.avg5_step750).")
     flags.DEFINE_integer("step", None, "Checkpoint step to restore (default: the latest).")
@@ -150,10 +151,7 @@ def saved_model_config(workdir: str) -> ModelConfig:
 # Our parameters as Marian's
 
 
-def model_dimension_order(emb_dim: int) -> np.ndarray:
-    """Marian's feature m is our feature order[m]: our (sin, cos) pairs at (2i, 2i + 1) go to Marian's (i,
-    emb_dim / 2 + i), where MarianSinusoidalPositionalEmbedding puts each frequency's sine and cosine."""
-    return np.concatenate([np.arange(0, emb_dim, 2), np.arange(1, emb_dim, 2)])
+model_dimension_order = marian.model_dimension_order
 
 
 def linear_weight(kernel, input_order: np.ndarray | None, output_order: np.ndarray | None) -> np.ndarray:
@@ -169,13 +167,17 @@ def linear_weight(kernel, input_order: np.ndarray | None, output_order: np.ndarr
 
 def attention_weights(prefix: str, ours: dict, order: np.ndarray) -> dict[str, np.ndarray]:
     """q/k/v read the model dimension and write heads (the same head-major layout in both); out_proj the reverse."""
-    zeros = np.zeros((len(order),), np.float32)
+    def bias(name, model_side):  # zeros where our model has none (model.projection_bias=False)
+        if "bias" not in ours[name]:
+            return np.zeros((len(order),), np.float32)
+        value = np.asarray(ours[name]["bias"], np.float32)
+        return np.ascontiguousarray(value[order] if model_side else value)
     weights = {}
     for theirs, name in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value")):
         weights[f"{prefix}.{theirs}.weight"] = linear_weight(ours[name]["kernel"], order, None)
-        weights[f"{prefix}.{theirs}.bias"] = zeros
+        weights[f"{prefix}.{theirs}.bias"] = bias(name, False)
     weights[f"{prefix}.out_proj.weight"] = linear_weight(ours["output"]["kernel"], None, order)
-    weights[f"{prefix}.out_proj.bias"] = zeros
+    weights[f"{prefix}.out_proj.bias"] = bias("output", True)
     return weights
 
 
@@ -213,8 +215,10 @@ def embedding_weights(params: dict, model_config: ModelConfig, order: np.ndarray
         raise ValueError("model.share_embeddings=False, but the parameters hold one embedding table")
     def table(embedder):
         return np.ascontiguousarray(np.asarray(embedder["embedding"]["embedding"], np.float32)[:, order])
+    bias = (np.asarray(params["output_bias"], np.float32)[None] if model_config.output_bias else
+            np.zeros((1, model_config.vocab_size), np.float32))
     weights = {"model.encoder.embed_tokens.weight": table(source), "model.decoder.embed_tokens.weight": table(target),
-               "final_logits_bias": np.zeros((1, model_config.vocab_size), np.float32)}
+               "final_logits_bias": np.ascontiguousarray(bias)}
     if model_config.share_embeddings:
         weights["model.shared.weight"] = weights["model.encoder.embed_tokens.weight"]
     if model_config.tie_output_embedding:
@@ -252,7 +256,7 @@ def marian_config(model_config: ModelConfig, longest: int) -> dict:
         vocab_size=model_config.vocab_size, decoder_vocab_size=model_config.vocab_size, d_model=model_config.emb_dim,
         encoder_layers=model_config.num_encoder_layers, decoder_layers=model_config.num_decoder_layers,
         encoder_attention_heads=model_config.num_heads, decoder_attention_heads=model_config.num_heads,
-        encoder_ffn_dim=model_config.mlp_dim, decoder_ffn_dim=model_config.mlp_dim, activation_function="relu",
+        encoder_ffn_dim=model_config.mlp_dim, decoder_ffn_dim=model_config.mlp_dim, activation_function=marian.HF_ACTIVATIONS[model_config.activation],
         dropout=model_config.dropout_rate, attention_dropout=model_config.attention_dropout_rate,
         activation_dropout=model_config.relu_dropout_rate, init_std=model_config.init_std or 0.02,
         max_position_embeddings=max(MIN_POSITIONS, longest + 1), scale_embedding=True,
@@ -295,23 +299,31 @@ def marian_model(params: dict, model_config: ModelConfig, longest: int):
 
 def write_tokenizer(tokenizer: Tokenizer, directory: str, source_lang: str, target_lang: str,
                     input_bound: int) -> None:
-    """A MarianTokenizer over our joint sentencepiece model (both sides), with vocab.json giving our own ids."""
+    """A MarianTokenizer over our sentencepiece model(s): the joint one as both source.spm and target.spm, or a
+    pair vocabulary's two (an imported model's), with vocab.json giving our own ids."""
     import transformers
-    vocab = {tokenizer.processor.id_to_piece(i): i for i in range(tokenizer.vocab_size)}
+    vocab = {tokenizer.id_to_piece(i): i for i in range(tokenizer.vocab_size)}
     if len(vocab) != tokenizer.vocab_size:
         raise ExportError(f"{tokenizer.path} names two ids with one piece: vocab.json cannot map them")
     vocab_path = os.path.join(directory, "vocab.json")
     with open(vocab_path, "w", encoding="utf-8") as handle:
         json.dump(vocab, handle, ensure_ascii=False, indent=0)
-    piece = tokenizer.processor.id_to_piece
+    models = []
+    for side, processor in (("source", tokenizer.processor), ("target", tokenizer.target_processor)):
+        models.append(os.path.join(directory, f".{side}.model"))  # MarianTokenizer copies it to {side}.spm
+        with open(models[-1], "wb") as handle:
+            handle.write(processor.serialized_model_proto())
+    piece = tokenizer.id_to_piece
     hf_tokenizer = transformers.MarianTokenizer(
-        source_spm=tokenizer.path, target_spm=tokenizer.path, vocab=vocab_path, source_lang=source_lang,
+        source_spm=models[0], target_spm=models[1], vocab=vocab_path, source_lang=source_lang,
         target_lang=target_lang, unk_token=piece(UNK_ID), eos_token=piece(EOS_ID), pad_token=piece(PAD_ID),
         model_max_length=input_bound)
     ids = (hf_tokenizer.pad_token_id, hf_tokenizer.eos_token_id, hf_tokenizer.unk_token_id)
     if ids != (PAD_ID, EOS_ID, UNK_ID):
         raise RuntimeError(f"MarianTokenizer's pad, eos, unk ids are {ids}, not ours {(PAD_ID, EOS_ID, UNK_ID)}")
     hf_tokenizer.save_pretrained(directory)
+    for model in models:
+        os.remove(model)
 
 
 def give_files_the_umask_mode(directory: str) -> None:
@@ -341,6 +353,62 @@ def write_hf(restored: Restored, output: str) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
+# ----------------------------------------------------------------------------------------------------
+# CTranslate2
+
+
+def ctranslate2_spec(restored: Restored):
+    """CTranslate2's TransformerSpec of our model, filled by its own Marian loader from the MarianMTModel the HF
+    export builds, with the three Marian C++ conventions its loader assumes and we do not share undone: our pad
+    row stays (it is id 0, not the last), the decoder starts from the pad row's embedding (not a zero vector),
+    and the vocabulary is our id table."""
+    from ctranslate2.converters import transformers as loaders
+
+    tokenizer = restored.tokenizer
+
+    class OurMarianLoader(loaders.MarianMTLoader):
+        def get_model_spec(self, model):
+            model.config.normalize_before = False
+            model.config.normalize_embedding = False
+            return loaders.BartLoader.get_model_spec(self, model)  # without MarianMTLoader's pad-row removal
+
+        def set_decoder(self, spec, decoder):
+            loaders.BartLoader.set_decoder(self, spec, decoder)  # start_from_zero_embedding stays False
+
+        def get_vocabulary(self, model, hf_tokenizer):
+            return [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
+
+        def set_config(self, config, model, hf_tokenizer):
+            config.bos_token = config.decoder_start_token = tokenizer.id_to_piece(PAD_ID)
+            config.eos_token, config.unk_token = tokenizer.id_to_piece(EOS_ID), tokenizer.id_to_piece(UNK_ID)
+
+    model = marian_model(restored.params, restored.model_config, longest_output(restored))
+    spec = OurMarianLoader()(model, None)
+    spec.validate()
+    spec.optimize(quantization=None)  # float32 on disk: Translator(compute_type="int8") quantizes at load
+    return spec
+
+
+def write_ctranslate2(restored: Restored, output: str) -> None:
+    """model.bin, config.json, shared_vocabulary.json (CTranslate2's) and source.spm, target.spm (the
+    sentencepiece models a server segments with), written beside `output` and renamed into place whole."""
+    parent = os.path.dirname(os.path.abspath(output))
+    os.makedirs(parent, exist_ok=True)
+    partial = os.path.join(parent, f".{os.path.basename(os.path.abspath(output))}.partial-{os.getpid()}")
+    try:
+        os.makedirs(partial)
+        ctranslate2_spec(restored).save(partial)
+        tokenizer = restored.tokenizer
+        for side, processor in (("source", tokenizer.processor), ("target", tokenizer.target_processor)):
+            with open(os.path.join(partial, f"{side}.spm"), "wb") as handle:
+                handle.write(processor.serialized_model_proto())
+        give_files_the_umask_mode(partial)
+        check_output(output)
+        os.replace(partial, output)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
 def export(workdir: str, output: str | None = None, *, output_format: str = "hf", step: int | None = None,
            average_last: int | None = None, best: bool = False, allow_epsilon_change: bool = False
            ) -> tuple[str, Restored]:
@@ -357,7 +425,7 @@ def export(workdir: str, output: str | None = None, *, output_format: str = "hf"
     check_exportable(restored.model_config, allow_epsilon_change)
     output = output or os.path.join(workdir, "export", f"{output_format}.{restored.name}")
     check_output(output)
-    write_hf(restored, output)
+    (write_hf if output_format == "hf" else write_ctranslate2)(restored, output)
     return output, restored
 
 
@@ -369,6 +437,10 @@ def main(argv):
                               average_last=FLAGS.average_last, best=FLAGS.best,
                               allow_epsilon_change=FLAGS.allow_layer_norm_epsilon_change)
     averaged = f" (the average of steps {restored.averaged_steps})" if restored.averaged_steps else ""
+    if FLAGS.format == "ctranslate2":
+        print(f"wrote a CTranslate2 model of {restored.name}{averaged} to {output}: model.bin, config.json, "
+              f"shared_vocabulary.json ({restored.tokenizer.vocab_size} pieces), source.spm, target.spm")
+        return
     print(f"wrote a Hugging Face MarianMTModel of {restored.name}{averaged} to {output}: config.json, "
           f"generation_config.json, model.safetensors, source.spm, target.spm, vocab.json "
           f"({restored.tokenizer.vocab_size} pieces)")

@@ -32,7 +32,7 @@ export = load_script("export")
 # place would show: 2 + 2 layers, 4 heads.
 TRAINED = {"model.num_encoder_layers": 2, "model.num_decoder_layers": 2, "model.emb_dim": 64, "model.num_heads": 4,
            "model.mlp_dim": 128, "model.layer_norm_epsilon": 1e-5, "optimizer.warmup_steps": 50,
-           "train.num_train_steps": 300, "train.eval_every_steps": 300, "train.checkpoint_every_steps": 150,
+           "train.num_train_steps": 600, "train.eval_every_steps": 600, "train.checkpoint_every_steps": 300,
            "train.log_every_steps": 100, "decode.average_last": 2, "decode.beam_size": 1,
            "decode.max_extra_length": 10}
 SENTENCES = 16  # of the dev split
@@ -232,7 +232,7 @@ def assert_generate_gives(model, tokenizer, sentences, ours, limits):
 def test_the_export_is_a_marian_directory_with_our_ids(exported, dev):
     output, restored, tokenizer, model = exported
     sentences, ids, _, _ = dev
-    assert restored.name == "avg2_step300" and restored.averaged_steps == [150, 300]
+    assert restored.name == "avg2_step600" and restored.averaged_steps == [300, 600]
     assert {"config.json", "generation_config.json", "model.safetensors", "source.spm", "target.spm", "vocab.json",
             "tokenizer_config.json"} <= set(os.listdir(output))
     assert not [name for name in os.listdir(os.path.dirname(output)) if ".partial-" in name]
@@ -260,6 +260,7 @@ def test_greedy_generate_gives_our_greedy_translations_token_for_token(exported,
     with torch.no_grad():
         batched = model.generate(**tokenizer(sentences, return_tensors="pt", padding=True, truncation=True)).tolist()
     before_limit = [i for i, x in enumerate(ours) if len(x) < limits[i]]
+    print(f"{len(before_limit)} of {len(ours)} translations end before their limit")
     assert len(before_limit) >= SENTENCES // 2  # the trained model ends most translations itself
     for i in before_limit:
         assert batched[i][1:len(ours[i]) + 1] == ours[i].tolist() and set(batched[i][len(ours[i]) + 1:]) <= {PAD_ID}
@@ -293,24 +294,24 @@ def test_teacher_forced_logits_agree_with_ours(exported, dev):
 @pytest.mark.slow
 def test_the_command_line_exports_the_named_step_and_says_what_it_wrote(trained, exported, tmp_path):
     _, transformers = hf_modules()
-    output = tmp_path / "hf150"
+    output = tmp_path / "hf300"
     output.mkdir()  # an empty directory is no refusal: the export replaces it
-    result = run_export(f"--workdir={trained}", "--format=hf", f"--output={output}", "--step=150",
+    result = run_export(f"--workdir={trained}", "--format=hf", f"--output={output}", "--step=300",
                         "--average_last=1")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == (f"wrote a Hugging Face MarianMTModel of step150 to {output}: config.json, "
+    assert result.stdout.strip() == (f"wrote a Hugging Face MarianMTModel of step300 to {output}: config.json, "
                                      "generation_config.json, model.safetensors, source.spm, target.spm, vocab.json "
                                      f"({exported[1].tokenizer.vocab_size} pieces)")
-    restored = restore(trained, 150)
+    restored = restore(trained, 300)
     expected = export.marian_state_dict(restored.params, restored.model_config)
     loaded = transformers.MarianMTModel.from_pretrained(str(output)).state_dict()
     for name, value in expected.items():
         np.testing.assert_array_equal(loaded[name].numpy(), value, err_msg=name)
     default = run_export(f"--workdir={trained}", "--format=hf")
     assert default.returncode == 0, default.stderr[-3000:]
-    default_output = os.path.join(trained, "export", "hf.avg2_step300")
-    assert default.stdout.strip().startswith(f"wrote a Hugging Face MarianMTModel of avg2_step300 (the average of "
-                                             f"steps [150, 300]) to {default_output}: ")
+    default_output = os.path.join(trained, "export", "hf.avg2_step600")
+    assert default.stdout.strip().startswith(f"wrote a Hugging Face MarianMTModel of avg2_step600 (the average of "
+                                             f"steps [300, 600]) to {default_output}: ")
     assert os.path.exists(os.path.join(default_output, "model.safetensors"))
 
 
@@ -337,3 +338,20 @@ def test_the_epsilon_flag_exports_a_model_within_that_epsilon_of_ours(trained, e
                         - our_logits(other.model_config, other.params, inputs, decoder_inputs)).max()
     print(f"max logit difference from layer_norm_epsilon 1e-6 -> 1e-5: {difference:.2e}")
     assert 0 < difference < 1e-4
+
+
+@pytest.mark.slow
+def test_the_ctranslate2_export_decodes_our_greedy_and_beam_tokens(trained, exported, dev, tmp_path):
+    """CTranslate2's Marian converter refuses our vocabulary (pad first) and starts from a zero embedding; the
+    export fills its spec itself, and its Translator then finds our greedy and beam-4 translations."""
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    from import_test import assert_ctranslate2_gives_ours
+    output, restored = export.export(trained, str(tmp_path / "ct2"), output_format="ctranslate2")
+    assert {"model.bin", "config.json", "shared_vocabulary.json", "source.spm", "target.spm"} <= set(os.listdir(output))
+    translator = ctranslate2.Translator(output, device="cpu")
+    ended = assert_ctranslate2_gives_ours(translator, restored, dev[0], restored.settings.decode.max_extra_length)
+    print(f"translations ended before their limit, of {len(dev[0])}: {ended}")
+    assert min(ended.values()) >= 1  # compared exactly, EOS included, in both searches
+    result = run_export(f"--workdir={trained}", "--format=ctranslate2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().startswith("wrote a CTranslate2 model of avg2_step600")

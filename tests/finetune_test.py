@@ -114,3 +114,28 @@ def test_a_resumed_risk_fine_tune_ends_with_the_same_parameters_bitwise(source, 
     records = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     train_records = [r for r in records if r["split"] == "train"]
     assert train_records and all(0 <= r["reward"] <= 1 and 0 <= r["risk"] <= 1 for r in train_records)
+
+
+def test_the_finetune_config_is_the_source_runs_settings_with_a_warm_start_from_it(source, tmp_path):
+    """configs/finetune.py:WORKDIR: that run's model, data and decoding settings, train.init_from=WORKDIR; the warm
+    start's checks pass on it, and a changed model setting is still refused."""
+    from transformer import config_files
+    from transformer.restore import load_workdir_config, warm_start_config
+    path = config_files.find("configs/finetune.py")
+    config = config_files.plain(load_config_file(path, f"{source}:27"))
+    saved = load_workdir_config(str(source))
+    assert config["model"] == saved["model"] and config["train"]["init_from"] == f"{source}:27"
+    assert {key: value for key, value in config["data"].items() if key != "vocab_path"} == {
+        key: value for key, value in saved["data"].items() if key != "vocab_path"}
+    assert warm_start_config(config)["data"]["vocab_path"] == os.path.join(str(source), "vocab.model")
+    config["model"]["mlp_dim"] += 16
+    with pytest.raises(errors.ConfigError, match="model.mlp_dim"):
+        warm_start_config(config)
+
+
+def load_config_file(path, argument):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("finetune_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(argument)

@@ -13,7 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the moment to decide what it may depend on. A package is listed by its name: all its modules share the layer.
 LAYERS = (
     ("foundation", ("transformer.errors", "transformer.files", "transformer.defaults", "transformer.console",
-                    "transformer.tokenizer", "transformer.corpus", "transformer.sweep", "transformer.mbr")),
+                    "transformer.tokenizer", "transformer.corpus", "transformer.sweep", "transformer.mbr",
+                    "transformer.marian")),
     ("schema", ("transformer.config_files",)),
     ("parts", ("transformer.model", "transformer.optim", "transformer.sharding", "transformer.sources",
                "transformer.workdir", "transformer.metrics", "transformer.token_cache", "transformer.data", "transformer.mixture",

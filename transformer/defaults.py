@@ -67,13 +67,14 @@ def model_defaults() -> ml_collections.ConfigDict:
     model.mlp_dim = 512  # d_ff of the position-wise feed-forward
     # P_drop on embeddings and sublayer outputs: the paper's 0.1 in base.py; 0 here, where each pair is seen ~once
     model.dropout_rate = 0.0
-    model.attention_dropout_rate = 0.0  # dropout on attention weights
-    model.relu_dropout_rate = 0.0  # dropout after the feed-forward ReLU
+    model.attention_dropout_rate, model.relu_dropout_rate = 0.0, 0.0  # on attention weights, after the FFN activation
+    model.activation = "relu"  # the feed-forward's: relu (paper) | swish (SiLU: most OPUS-MT models) | gelu (exact)
+    model.projection_bias, model.output_bias = False, False  # biases on attention's projections, on the logits (Marian's)
     model.positional_encoding = "sinusoidal"  # sinusoidal (paper) | learned
     model.max_length = 256  # positions of the learned table (unused by sinusoids)
     model.decoder_positions = True  # False: no positions in the decoder's embeddings (NoPE; encoder_decoder only)
     model.layer_norm = "post"  # post (paper: LayerNorm(x + sublayer(x))) | pre (with a final norm per stack)
-    model.layer_norm_epsilon = 1e-6  # LayerNorm epsilon
+    model.layer_norm_epsilon = 1e-5  # LayerNorm epsilon (torch's, fairseq's and Marian's; exports token for token)
     model.share_embeddings = True  # one embedding for source and target (needs the joint vocabulary)
     model.tie_output_embedding = True  # pre-softmax projection = target embedding transposed
     model.dtype = "float32"  # compute dtype of the matmuls: float32 | bfloat16 (parameters stay float32)

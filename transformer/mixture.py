@@ -32,7 +32,7 @@ from transformer import data
 from transformer.console import log
 from transformer.errors import DataError
 from transformer.token_cache import TokenCache, in_worker_processes
-from transformer.tokenizer import SYNTHETIC_TAG, Tokenizer
+from transformer.tokenizer import SYNTHETIC_TAG, UNK_ID, Tokenizer
 
 KINDS = ("main", "text", "synthetic", "tfds", "builtin")
 SOURCE_TOKENS = "source_tokens"  # a mixture batch's extra key: target tokens of each source in the global batch
@@ -191,7 +191,8 @@ def identified(cache: TokenCache, tokenizer: Tokenizer | None, source_lang: str,
         for start in range(0, len(offsets) - 1, _HASH_BLOCK):
             ends = np.asarray(offsets[start:start + _HASH_BLOCK + 1], np.int64)
             ids = [np.asarray(flat[a + first:b - 1]).tolist() for a, b in zip(ends[:-1], ends[1:])]
-            found += [identifier.classify(text)[0] == lang for text in tokenizer.processor.decode(ids)]
+            texts = tokenizer.decode_lists(ids, "source" if side == "inputs" else "target")
+            found += [identifier.classify(text)[0] == lang for text in texts]
         masks.append(np.asarray(found, bool))
     mask = masks[0] & masks[1]
     if saved:
@@ -232,13 +233,12 @@ def side_hashes(cache: TokenCache, side: str, skip: int = 0) -> np.ndarray:
 
 def piece_characters(tokenizer: Tokenizer) -> np.ndarray:
     """Characters of each piece's text ("▁" a space; special and control pieces none, an unknown one)."""
-    processor = tokenizer.processor
-    table = np.zeros(processor.get_piece_size(), np.int64)
+    table = np.zeros(tokenizer.vocab_size, np.int64)
     for piece in range(len(table)):
-        if processor.is_unknown(piece):
+        if piece == UNK_ID:
             table[piece] = 1
-        elif not processor.is_control(piece):
-            table[piece] = len(processor.id_to_piece(piece))
+        elif not tokenizer.is_special(piece):
+            table[piece] = len(tokenizer.id_to_piece(piece))
     return table
 
 

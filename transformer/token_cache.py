@@ -157,10 +157,10 @@ class TokenizeChunk:
 
     def __call__(self, pairs: list[tuple[str, str]]) -> dict[str, np.ndarray]:
         if self._processor is None:
-            self._processor = Tokenizer(self.model_path).processor
+            self._processor = Tokenizer(self.model_path)
         chunk = {}
         for side, texts in (("inputs", [s for s, _ in pairs]), ("targets", [t for _, t in pairs])):
-            ids = self._processor.encode(texts, add_eos=True)
+            ids = self._processor.encode_lists(texts, "source" if side == "inputs" else "target")
             if side == "inputs" and self.prefix:
                 ids = [[*self.prefix, *sequence] for sequence in ids]
             chunk[f"{side}_lengths"] = np.fromiter(map(len, ids), np.int64, len(ids))
@@ -204,7 +204,7 @@ class TokenCache:
         arrays = {}
         for side, offsets, texts in (("inputs", "input_offsets", [s for s, _ in pairs]),
                                      ("targets", "target_offsets", [t for _, t in pairs])):
-            sequences = tokenizer.encode(texts)
+            sequences = tokenizer.encode(texts, "source" if side == "inputs" else "target")
             arrays[side] = np.concatenate(sequences or [np.zeros(0, np.int32)]).astype(np.int32)
             arrays[offsets] = np.concatenate([[0], np.cumsum([len(x) for x in sequences], dtype=np.int64)])
         return cls(None, arrays)

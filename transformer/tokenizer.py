@@ -3,12 +3,19 @@
 Ids: 0 = padding (also the decoder's start symbol), 1 = end of sentence, 2 = unknown; no BOS. A vocabulary
 trained for tagged back-translation (data.tag_synthetic) also holds the control piece SYNTHETIC_TAG, which no text
 encodes to: only the data pipeline puts it before a synthetic source.
+
+The vocabulary file is a sentencepiece model, or a *pair*: Marian's two sentencepiece models (one segments the
+source, the other the target) with one table of pieces giving the ids, as an imported OPUS-MT model has them
+(scripts/import_hf.py). A pair is one JSON file (PAIR_FORMAT), so that a workdir's vocabulary stays one file that
+is copied, fingerprinted and checked as any other.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
 import io
+import json
 import os
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -23,27 +30,55 @@ SYNTHETIC_TAG = "<bt>"  # Caswell et al. 2019's tag of back-translated sources, 
 VOCAB_MODEL_TYPES = ("unigram", "bpe")  # sentencepiece's two subword models (its char and word are not subwords)
 
 
+PAIR_FORMAT = "sentencepiece pair"  # the "format" of a pair vocabulary file
+
+
 class Tokenizer:
-    """A loaded sentencepiece model: text <-> int32 ids, with EOS appended on encoding."""
+    """A loaded vocabulary: text <-> int32 ids, with EOS appended on encoding. `side` names which sentencepiece
+    model segments a text (a pair's; a joint model serves both): "source" or "target"."""
 
     def __init__(self, model_path: str):
         self.path = model_path
         try:
-            self.processor = spm.SentencePieceProcessor(model_file=model_path)
-        except (OSError, RuntimeError) as error:
+            with open(model_path, "rb") as handle:
+                content = handle.read()
+            if content[:1] == b"{":
+                self._load_pair(json.loads(content))
+            else:
+                self.processor = spm.SentencePieceProcessor(model_proto=content)
+                self.target_processor, self.table = self.processor, None
+        except (OSError, RuntimeError, ValueError, KeyError) as error:
             raise VocabularyError(f"cannot load sentencepiece model {model_path}: {error}") from error
-        if self.processor.pad_id() != PAD_ID or self.processor.eos_id() != EOS_ID:
+        if self.table is None and (self.processor.pad_id() != PAD_ID or self.processor.eos_id() != EOS_ID):
             raise VocabularyError(
                 f"sentencepiece model {model_path} has pad_id={self.processor.pad_id()}, "
                 f"eos_id={self.processor.eos_id()}; this project needs pad_id={PAD_ID}, eos_id={EOS_ID}")
 
+    def _load_pair(self, record: dict) -> None:
+        if record.get("format") != PAIR_FORMAT:
+            raise ValueError(f"a JSON vocabulary must have format {PAIR_FORMAT!r}, got {record.get('format')!r}")
+        self.processor = spm.SentencePieceProcessor(model_proto=base64.b64decode(record["source"]))
+        self.target_processor = spm.SentencePieceProcessor(model_proto=base64.b64decode(record["target"]))
+        self.table = list(record["pieces"])
+        self.index = {piece: i for i, piece in enumerate(self.table)}
+        if len(self.index) != len(self.table):
+            raise ValueError("its table names one piece twice")
+        self.specials = set(record["specials"])  # pieces no text is segmented into (pad, eos, unk), by id
+        if not {PAD_ID, EOS_ID, UNK_ID} <= self.specials:
+            raise ValueError(f"its specials {sorted(self.specials)} must include pad, eos and unk, "
+                             f"{(PAD_ID, EOS_ID, UNK_ID)}")
+
+    @property
+    def is_pair(self) -> bool:
+        return self.table is not None
+
     @property
     def vocab_size(self) -> int:
-        return self.processor.get_piece_size()
+        return len(self.table) if self.is_pair else self.processor.get_piece_size()
 
     @functools.cached_property
     def model_type(self) -> str:
-        """The sentencepiece model's kind ("unigram", "bpe", ...), as its trainer spec records it."""
+        """The (source) sentencepiece model's kind ("unigram", "bpe", ...), as its trainer spec records it."""
         from sentencepiece import sentencepiece_model_pb2 as model_pb2
 
         proto = model_pb2.ModelProto.FromString(self.processor.serialized_model_proto())
@@ -52,22 +87,70 @@ class Tokenizer:
     @property
     def synthetic_tag(self) -> int | None:
         """The id of the control piece SYNTHETIC_TAG, or None if this vocabulary was trained without it."""
+        if self.is_pair:
+            tag = self.index.get(SYNTHETIC_TAG)
+            return tag if tag in self.specials else None
         tag = self.processor.piece_to_id(SYNTHETIC_TAG)
         return tag if tag != self.processor.unk_id() and self.processor.is_control(tag) else None
 
-    def encode(self, texts: list[str]) -> list[np.ndarray]:
-        """Each text -> int32 ids ending in EOS."""
-        return [np.asarray(ids + [EOS_ID], np.int32) for ids in self.processor.encode(texts)]
+    def encode_lists(self, texts: list[str], side: str = "source") -> list[list[int]]:
+        """Each text -> its ids ending in EOS, as lists (the token cache's fast path)."""
+        if not self.is_pair:
+            return self.processor.encode(texts, add_eos=True)
+        processor = self.processor if side == "source" else self.target_processor
+        index = self.index
+        return [[index.get(piece, UNK_ID) for piece in pieces] + [EOS_ID]
+                for pieces in processor.encode(texts, out_type=str)]
 
-    def decode(self, ids: np.ndarray | list[int]) -> str:
+    def encode(self, texts: list[str], side: str = "source") -> list[np.ndarray]:
+        """Each text -> int32 ids ending in EOS."""
+        return [np.asarray(ids, np.int32) for ids in self.encode_lists(texts, side)]
+
+    def decode_lists(self, ids: list[list[int]], side: str = "target") -> list[str]:
+        """Ids (neither padding nor EOS among them) -> texts, each by one call of the side's model."""
+        if not self.is_pair:
+            return self.processor.decode(ids)
+        processor = self.target_processor if side == "target" else self.processor
+        return [processor.decode_pieces([self.table[i] for i in sequence if i not in self.specials or i == UNK_ID])
+                for sequence in ids]
+
+    def decode(self, ids: np.ndarray | list[int], side: str = "target") -> str:
         """Ids up to the first EOS (padding dropped) -> text."""
         ids = [int(i) for i in ids]
         if EOS_ID in ids:
             ids = ids[: ids.index(EOS_ID)]
-        return self.processor.decode([i for i in ids if i != PAD_ID])
+        return self.decode_lists([[i for i in ids if i != PAD_ID]], side)[0]
+
+    def id_to_piece(self, i: int) -> str:
+        return self.table[i] if self.is_pair else self.processor.id_to_piece(i)
+
+    def piece_to_id(self, piece: str) -> int:
+        return self.index.get(piece, UNK_ID) if self.is_pair else self.processor.piece_to_id(piece)
+
+    def is_special(self, i: int) -> bool:
+        """Whether piece i is no text's: control pieces (pad, eos, a tag), the unknown piece included."""
+        if self.is_pair:
+            return i in self.specials
+        return self.processor.is_control(i) or self.processor.is_unknown(i)
 
     def pieces(self, ids: Iterable[int]) -> list[str]:
-        return [self.processor.id_to_piece(int(i)) for i in ids]
+        return [self.id_to_piece(int(i)) for i in ids]
+
+
+def write_pair(path: str, source_model: str, target_model: str, pieces: Sequence[str],
+               specials: Iterable[int]) -> Tokenizer:
+    """A pair vocabulary file: the two sentencepiece models (paths), the piece of each id, the special ids."""
+    def proto(model):
+        with open(model, "rb") as handle:
+            return base64.b64encode(handle.read()).decode("ascii")
+    record = {"format": PAIR_FORMAT, "source": proto(source_model), "target": proto(target_model),
+              "pieces": list(pieces), "specials": sorted(set(specials))}
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp", encoding="utf-8") as handle:
+        json.dump(record, handle, ensure_ascii=False)
+    os.replace(handle.name, path)
+    return Tokenizer(path)
 
 
 def sample_sentences(sentences: Sequence[str], *, max_sentences: int, max_characters: int = 0,

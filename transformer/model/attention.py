@@ -12,7 +12,7 @@ from flax import nnx
 
 from transformer.model import blocks
 from transformer.model.blocks import Cache, CacheSetup, Inputs, Step
-from transformer.model.config import ModelConfig
+from transformer.model.config import ModelConfig, partitioned
 from transformer.model.masks import SelfMask, attention_mask
 
 Array = jax.Array
@@ -151,14 +151,16 @@ def cache_rows_mask(step: Step, slots: int, window: int | None) -> tuple[Array, 
 
 class MultiHeadAttention(blocks.Block):
     """h parallel heads of scaled dot-product attention with learned projections (paper section 3.2.2), the base of
-    every attention kind. Projections have no bias, as in tensor2tensor."""
+    every attention kind. Projections have no bias, as in tensor2tensor, unless model.projection_bias (Marian's)."""
 
     def __init__(self, config: ModelConfig, field: str, *, rngs: nnx.Rngs):
         """field: the config field naming this attention's kind (encoder_attention, ...)."""
         self.config, self.field = config, field
         dim, dtype = config.emb_dim, config.compute_dtype
         def linear(*names):
-            return nnx.Linear(dim, dim, use_bias=False, dtype=dtype, kernel_init=config.kernel_init(*names), rngs=rngs)
+            return nnx.Linear(dim, dim, use_bias=config.projection_bias, dtype=dtype,
+                              kernel_init=config.kernel_init(*names),
+                              bias_init=partitioned(nnx.initializers.zeros_init(), names[1]), rngs=rngs)
         self.query, self.key, self.value = linear("embed", "heads"), linear("embed", "heads"), linear("embed", "heads")
         self.output = linear("heads", "embed")
         self.dropout = nnx.Dropout(config.attention_dropout_rate)

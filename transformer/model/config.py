@@ -17,6 +17,7 @@ POSITIONAL_ENCODINGS = ("sinusoidal", "learned")
 FAMILIES = ("encoder_decoder", "decoder_only", "encoder_only")
 MASKED_SIDES = ("source", "target", "both")  # what encoder_only reads and masks: "both" is the pair, joined
 LAYER_NORMS = ("post", "pre")
+ACTIVATIONS = ("relu", "swish", "gelu")  # the feed-forward's (feed_forward.ACTIVATION_FUNCTIONS)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # reference: our own einsum + softmax (supports attention dropout); xla / cudnn: jax.nn.dot_product_attention with
 # that implementation (cudnn = flash attention, GPU and bf16/fp16 only).
@@ -48,6 +49,7 @@ CHECKS = (
     (lambda c: c.positional_encoding in POSITIONAL_ENCODINGS,
      f"positional_encoding={{positional_encoding!r}} is not one of {POSITIONAL_ENCODINGS}"),
     (lambda c: c.layer_norm in LAYER_NORMS, f"layer_norm={{layer_norm!r}} is not one of {LAYER_NORMS}"),
+    (lambda c: c.activation in ACTIVATIONS, f"activation={{activation!r}} is not one of {ACTIVATIONS}"),
     (lambda c: c.dtype in DTYPES, f"dtype={{dtype!r}} is not one of {tuple(DTYPES)}"),
     (lambda c: c.attention in ATTENTION_IMPLEMENTATIONS,
      f"attention={{attention!r}} is not one of {ATTENTION_IMPLEMENTATIONS}"),
@@ -106,6 +108,9 @@ class ModelConfig:
     dropout_rate: float  # P_drop: embeddings and each sublayer's output before the residual add
     attention_dropout_rate: float
     relu_dropout_rate: float
+    activation: str  # one of ACTIVATIONS
+    projection_bias: bool
+    output_bias: bool
     positional_encoding: str
     decoder_positions: bool  # False: no positions added to the decoder's embeddings (encoder_decoder only)
     max_length: int

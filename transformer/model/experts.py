@@ -12,6 +12,7 @@ from flax import nnx
 from transformer.model import blocks
 from transformer.model.blocks import Inputs
 from transformer.model.config import ModelConfig, partitioned
+from transformer.model.feed_forward import ACTIVATION_FUNCTIONS
 
 Array = jax.Array
 
@@ -97,6 +98,7 @@ class MoEFeedForward(blocks.PositionwiseBlock):
         self.output = param(base, (experts, ff, d), "expert", "mlp", "embed")
         self.output_bias = param(zeros, (experts, d), "expert", "embed")
         self.dropout = nnx.Dropout(config.relu_dropout_rate)
+        self.activation = config.activation
 
     @classmethod
     def checks(cls, config, field):
@@ -137,7 +139,7 @@ class MoEFeedForward(blocks.PositionwiseBlock):
         dispatch, combine, stats = route(logits, real, config.experts_per_token, capacity)
         inputs = jnp.einsum("blec,bld->becd", dispatch.astype(dtype), x.astype(dtype))
         hidden = jnp.einsum("becd,edf->becf", inputs, self.hidden[...].astype(dtype)) + self.hidden_bias[...][:, None]
-        hidden = self.dropout(jax.nn.relu(hidden.astype(dtype)), deterministic=deterministic, rngs=rngs)
+        hidden = self.dropout(ACTIVATION_FUNCTIONS[self.activation](hidden.astype(dtype)), deterministic=deterministic, rngs=rngs)
         outputs = (jnp.einsum("becf,efd->becd", hidden, self.output[...].astype(dtype))
                    + self.output_bias[...][:, None]).astype(dtype)
         return jnp.einsum("blec,becd->bld", combine.astype(dtype), outputs).astype(x.dtype), stats

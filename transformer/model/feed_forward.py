@@ -10,11 +10,14 @@ from transformer.model.blocks import Inputs
 from transformer.model.config import ModelConfig, partitioned
 
 Array = jax.Array
+# gelu exact (erf), as torch's and Hugging Face's "gelu"; swish = SiLU, x sigmoid(x).
+ACTIVATION_FUNCTIONS = {"relu": jax.nn.relu, "swish": jax.nn.silu,
+                        "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
 
 
 @blocks.register("feed_forward", "dense")
 class FeedForward(blocks.PositionwiseBlock):
-    """FFN(x) = max(0, x W1 + b1) W2 + b2, with relu dropout between."""
+    """FFN(x) = act(x W1 + b1) W2 + b2, act = max(0, .) in the paper (model.activation), with dropout between."""
 
     def __init__(self, config: ModelConfig, field: str = "num_experts", *, rngs: nnx.Rngs):
         dtype, bias = config.compute_dtype, nnx.initializers.zeros_init()
@@ -23,8 +26,9 @@ class FeedForward(blocks.PositionwiseBlock):
         self.output = nnx.Linear(config.mlp_dim, config.emb_dim, dtype=dtype, rngs=rngs,
                                  kernel_init=config.kernel_init("mlp", "embed"), bias_init=partitioned(bias, "embed"))
         self.dropout = nnx.Dropout(config.relu_dropout_rate)
+        self.activation = config.activation
 
     def __call__(self, x: Array, inputs: Inputs, *, deterministic: bool, rngs: nnx.Rngs | None
                  ) -> tuple[Array, blocks.Stats]:
-        hidden = self.dropout(jax.nn.relu(self.hidden(x)), deterministic=deterministic, rngs=rngs)
+        hidden = self.dropout(ACTIVATION_FUNCTIONS[self.activation](self.hidden(x)), deterministic=deterministic, rngs=rngs)
         return self.output(hidden), {}

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from transformer.model.blocks import CacheSetup, Inputs, Stats, Step
-from transformer.model.config import ModelConfig
+from transformer.model.config import ModelConfig, partitioned
 from transformer.model.layers import (Embedder, build_stack, decode_layers, layer_norm, mean_stats, run_layers)
 from transformer.model.masks import SelfMask, positions_of, segmentation_of, target_segments
 
@@ -49,6 +49,9 @@ class Transformer(nnx.Module):
                 config.emb_dim, config.vocab_size, use_bias=False, dtype=config.compute_dtype,
                 preferred_element_type=jnp.float32,
                 kernel_init=config.kernel_init("embed", "vocab"), rngs=rngs)
+        if config.output_bias:  # Marian's final_logits_bias (trained here; a fixed buffer in Hugging Face's)
+            self.output_bias = nnx.Param(partitioned(nnx.initializers.zeros_init(), "vocab")(
+                rngs.params(), (config.vocab_size,), jnp.float32))
         # The family's stacks only (ModelConfig.stack_depths): decoder_only has no encoder, encoder_only no decoder.
         for stack, depth in config.stack_depths.items():
             setattr(self, f"{stack}_layers", build_stack(config, stack, depth, rngs=rngs))
@@ -110,8 +113,10 @@ class Transformer(nnx.Module):
     def output(self, x: Array) -> Array:
         """The pre-softmax projection of normalised outputs: the tied embedding, or its own matrix."""
         if self.config.tie_output_embedding:
-            return self.target_embedder.logits(x)
-        return self.output_projection(x)  # accumulated in float32 (preferred_element_type)
+            logits = self.target_embedder.logits(x)
+        else:
+            logits = self.output_projection(x)  # accumulated in float32 (preferred_element_type)
+        return logits + self.output_bias[...] if self.config.output_bias else logits
 
     def init_cache(self, encoded: Array, inputs: Array, max_decode_length: int, *, hypotheses: int = 1,
                    blocks: int = 1) -> Cache:
