@@ -85,6 +85,8 @@ flags.DEFINE_integer("new_tokens", 40, "decode: tokens decoded per sentence (no 
 flags.DEFINE_integer("beam_size", 4, "decode: beam size (1: greedy search).")
 flags.DEFINE_integer("candidates", 0, "decode: > 0 draws this many samples per sentence instead (temperature 1, "
                      "epsilon 0.02: MBR's device part, decode.search=mbr; --beam_size is not read).")
+flags.DEFINE_enum("decode_weights", "float32", ["float32", "bfloat16"], "decode: decode.weights, the dtype of "
+                  "the search's weights and matmuls.")
 flags.DEFINE_integer("repeats", 3, "decode: timed runs (the median is reported).")
 flags.DEFINE_bool("decode_all_devices", False, "decode: split the batch's rows over every device, as decode.search_sentences "
                   "does (8 fake CPU devices: XLA_FLAGS=--xla_force_host_platform_device_count=8).")
@@ -324,6 +326,9 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
     cache_blocks = decode.cache_blocks_for(settings.decode.cache_blocks, beam_size)
     graphdef, params = nnx.split(build_model(config, rngs=nnx.Rngs(0)))
     params = nnx.to_pure_dict(params)
+    weights = flags.FLAGS.decode_weights
+    if weights != "float32":
+        graphdef = decode.weights_graphdef(config, weights)
     inputs = np.random.default_rng(1).integers(3, config.vocab_size, size=(batch, source_length)).astype(np.int32)
     if flags.FLAGS.decode_all_devices:
         from transformer import sharding
@@ -337,14 +342,14 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
     if candidates > 0:  # a random model seldom samples EOS: the rows run to the limit, as beam search's here
         cache_blocks = decode.cache_blocks_for(settings.decode.cache_blocks, candidates)
         search = decode.make_search(graphdef, max_extra_length=new_tokens - source_length, temperature=1.0,
-                                    epsilon=0.02, candidates=candidates, cache_blocks=cache_blocks)
+                                    epsilon=0.02, candidates=candidates, cache_blocks=cache_blocks, weights=weights)
         beam_size = 0
     else:
         search = decode.make_search(graphdef, max_extra_length=new_tokens - source_length, beam_size=beam_size,
-                                    alpha=0.6, early_stopping=False, cache_blocks=cache_blocks)
+                                    alpha=0.6, early_stopping=False, cache_blocks=cache_blocks, weights=weights)
     result = dict(mode="decode", shape=flags.FLAGS.shape, batch=batch, source_length=source_length,
                   new_tokens=new_tokens, beam_size=beam_size, candidates=candidates, cache_blocks=cache_blocks,
-                  dtype="float32",
+                  dtype="float32", weights=weights,
                   backend=jax.default_backend(), devices=str(jax.devices()), jax=jax.__version__,
                   batch_devices=jax.device_count() if flags.FLAGS.decode_all_devices else 1,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -6,7 +6,8 @@
 #      reference in bf16; the float32 tests at full matmul precision, not TF32);
 #   2. training-step throughput and MFU of 'base' in bfloat16 at ~25k target tokens per step (96 rows x 256
 #      source x 256 target tokens, vocab 32000), attention cudnn and then xla;
-#   3. beam-4 decoding of 3,003 sentences (newstest2014's size) with a base-size model, then MBR's device part:
+#   3. beam-4 decoding of 3,003 sentences (newstest2014's size) with a base-size model (float32, then
+#      decode.weights=bfloat16), then MBR's device part:
 #      16 epsilon samples per sentence of 750 sentences (as many hypotheses as beam 4's batch);
 #   4. the same training step of 'base' as a decoder-only model (14 layers: the parameters of 6 + 6), as a masked
 #      LM (6 encoder layers) and with 8 experts (top-2, every other layer), xla attention, each once;
@@ -82,6 +83,8 @@ JAX_DEFAULT_MATMUL_PRECISION=highest step 120 "attention implementations agree" 
 train base
 step 150 "decode base, beam 4" python3 scripts/benchmark.py --mode=decode --config=configs/base.py \
   "${DECODE[@]}" --output="$JSONL"
+step 120 "decode base, beam 4, bfloat16 weights" python3 scripts/benchmark.py --mode=decode --config=configs/base.py \
+  "${DECODE[@]}" --decode_weights=bfloat16 --output="$JSONL"
 MBR_BATCH=750 && [ "${GPU_CHECKS_SMOKE:-0}" = 1 ] && MBR_BATCH=2
 step 120 "decode base, MBR's 16 samples per sentence" python3 scripts/benchmark.py --mode=decode \
   --config=configs/base.py "${DECODE[@]}" --batch=$MBR_BATCH --candidates=16 --output="$JSONL"

@@ -62,7 +62,8 @@ def recorded_attention():
 
 def attention_maps(restored: Restored, source: str) -> dict:
     """Translate `source`; its tokens and the attention weights of a teacher-forced pass over the translation."""
-    search = restored.settings.decode.search_fn(restored.graphdef, restored.settings.seed)
+    search = restored.settings.decode.search_fn(restored.graphdef, restored.settings.seed,
+                                                model_config=restored.model_config)
     [target_ids] = decode.search_sentences(search, restored.params, restored.tokenizer, [source], 1,
                                            restored.model_config.position_limit).best_ids()
     if not len(target_ids):

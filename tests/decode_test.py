@@ -556,3 +556,33 @@ def test_a_token_budget_changes_no_output_and_keeps_the_input_order(translation)
     seen = []
     search_sentences(recording_search(seen), params, tokenizer, sentences, 8, max_tokens_per_batch=budget)
     assert {batch.shape for batch in seen} <= {(4, 8), (2, 16)} and (2, 16) in {batch.shape for batch in seen}
+
+
+def test_first_argmax_is_argmax_ties_and_masked_entries_included():
+    from transformer.decode import first_argmax
+    logits = jax.random.normal(jax.random.key(0), (6, 1000))
+    logits = logits.at[1, [3, 700]].set(9.0).at[2, :].set(NEG_INF).at[3, [0, 999]].set(9.0)  # ties, all masked
+    logits = logits.at[4].set(jnp.round(logits[4]))  # many exact ties
+    np.testing.assert_array_equal(first_argmax(logits), jnp.argmax(logits, axis=-1))
+    assert first_argmax(logits)[1] == 3 and first_argmax(logits)[3] == 0
+
+
+def test_bfloat16_weights_decode_in_bfloat16_with_float32_caches_close_to_float32(model_and_search):
+    """decode.weights=bfloat16: the search's model computes with bfloat16 weights (its logits differ from float32's
+    by rounding, not more), its caches stay float32, and greedy search runs on it to valid outputs."""
+    from transformer.decode import cast_weights, make_search, weights_graphdef
+    graphdef, params, _ = model_and_search
+    config = nnx.merge(graphdef, params).config
+    cast = cast_weights(params, "bfloat16")
+    assert {x.dtype for x in jax.tree.leaves(cast)} == {jnp.dtype(jnp.bfloat16)}
+    models = {"float32": nnx.merge(graphdef, params), "bfloat16": nnx.merge(weights_graphdef(config, "bfloat16"), cast)}
+    logits = {}
+    for name, model in models.items():
+        cache = model.init_cache(model.encode(INPUTS), INPUTS, 8, dtype=jnp.float32)
+        assert {x.dtype for x in jax.tree.leaves(cache["layers"])} == {jnp.dtype(jnp.float32)}
+        logits[name], _ = model.decode_step(jnp.zeros((3, 1), jnp.int32), jnp.int32(0), cache)
+    difference = float(jnp.abs(logits["bfloat16"] - logits["float32"]).max())
+    assert logits["bfloat16"].dtype == jnp.float32 and 0 < difference < 0.05 * float(jnp.abs(logits["float32"]).max())
+    search = make_search(weights_graphdef(config, "bfloat16"), max_extra_length=6, weights="bfloat16")
+    outputs = np.asarray(search(params, INPUTS))[:2]
+    assert all(EOS_ID in row for row in outputs) and not np.any(outputs[:, 0] == PAD_ID)

@@ -17,13 +17,15 @@ def test_gpu_checks_script_runs_at_toy_sizes(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     log = (tmp_path / "gpu_checks.log").read_text()
-    # devices, tests, one train step, decode, MBR's draw, the four variants' train steps, the hybrid's decode,
-    # decode cost
-    assert log.count("== rc 0") == 11 and "== rc 1" not in log, log
+    # devices, tests, one train step, decode in float32 and bfloat16 weights, MBR's draw, the four variants' train
+    # steps, the hybrid's decode, decode cost
+    assert log.count("== rc 0") == 12 and "== rc 1" not in log, log
     results = [json.loads(line) for line in (tmp_path / "gpu_checks.jsonl").read_text().splitlines()]
-    assert [r["mode"] for r in results] == ["train", "decode", "decode", "train", "train", "train", "train", "decode"]
-    assert (results[1]["candidates"], results[2]["candidates"], results[2]["batch"]) == (0, 16, 2)
-    results = results[:2] + results[3:]  # the rest as before MBR's draw
+    assert [r["mode"] for r in results] == ["train", "decode", "decode", "decode", "train", "train", "train", "train",
+                                            "decode"]
+    assert [r["weights"] for r in results[1:3]] == ["float32", "bfloat16"]
+    assert (results[1]["candidates"], results[3]["candidates"], results[3]["batch"]) == (0, 16, 2)
+    results = results[:2] + results[4:]  # the rest as before the bfloat16 decode and MBR's draw
     assert results[0]["model"]["dtype"] == "bfloat16" and results[0]["model"]["emb_dim"] == 64
     variants = [(r["model"]["family"], r["model"]["num_encoder_layers"], r["model"]["num_decoder_layers"],
                  r["model"]["num_experts"]) for r in results[2:6]]

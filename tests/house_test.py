@@ -18,7 +18,7 @@ LAYERS = (
     ("schema", ("transformer.config_files",)),
     ("parts", ("transformer.model", "transformer.optim", "transformer.sharding", "transformer.sources",
                "transformer.workdir", "transformer.metrics", "transformer.token_cache", "transformer.data", "transformer.mixture",
-               "transformer.checkpoint", "transformer.throughput", "transformer.batching")),
+               "transformer.checkpoint", "transformer.throughput", "transformer.batching", "transformer.search_ops")),
     ("steps", ("transformer.steps", "transformer.decode", "transformer.loop", "transformer.risk")),
     ("run", ("transformer.settings", "transformer.plan", "transformer.evaluation", "transformer.restore",
              "transformer.trainer")),

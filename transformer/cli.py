@@ -10,14 +10,14 @@ from typing import Any
 
 from absl import flags
 
-from transformer.decode import MBR_SOURCES, PENALTIES, SEARCHES, DecodeConfig
+from transformer.decode import MBR_SOURCES, PENALTIES, SEARCHES, WEIGHTS, DecodeConfig
 from transformer.mbr import UTILITIES
 from transformer.restore import Restored, load_workdir_config, restore
 
 # Flags of both tools that override the workdir config's decode section when given.
 COMMAND_LINE_OVERRIDES = ("batch_size", "max_tokens_per_batch", "beam_size", "alpha", "length_penalty",
                           "max_extra_length", "temperature", "top_k", "top_p", "epsilon", "search", "mbr_candidates",
-                          "mbr_from", "mbr_utility")
+                          "mbr_from", "mbr_utility", "weights")
 
 
 def define_command_line_flags(unit: str) -> None:
@@ -48,6 +48,8 @@ def define_command_line_flags(unit: str) -> None:
     flags.DEFINE_enum("mbr_from", None, list(MBR_SOURCES), "MBR's candidates: samples or a beam's n-best "
                       "(default: decode.mbr_from).")
     flags.DEFINE_enum("mbr_utility", None, list(UTILITIES), "MBR's utility (default: decode.mbr_utility).")
+    flags.DEFINE_enum("weights", None, list(WEIGHTS), "bfloat16: decode on bfloat16 weights and matmuls "
+                      "(default: decode.weights).")
 
 
 def command_line_settings(saved: Mapping[str, Any], *, step: int | None, average_last: int | None, best: bool,

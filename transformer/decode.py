@@ -57,6 +57,7 @@ from jax.sharding import NamedSharding
 
 from transformer import batching, config_files, data, mbr, sharding
 from transformer.model.config import ModelConfig
+from transformer.search_ops import WEIGHTS, _top_k, cast_weights, first_argmax, weights_graphdef  # noqa: F401
 from transformer.tokenizer import EOS_ID, PAD_ID, Tokenizer
 
 PyTree = Any
@@ -83,6 +84,7 @@ class DecodeConfig:
     top_p: float
     average_last: int
     cache_blocks: int
+    weights: str  # one of WEIGHTS
     max_input_length: int
     max_tokens_per_batch: int
     epsilon: float
@@ -102,6 +104,8 @@ class DecodeConfig:
             raise ValueError(f"decode.alpha={self.alpha} must be >= 0")
         if self.length_penalty not in PENALTIES:
             raise ValueError(f"decode.length_penalty={self.length_penalty!r} must be one of {PENALTIES}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"decode.weights={self.weights!r} must be one of {WEIGHTS}")
         if self.cache_blocks < 0:
             raise ValueError(f"decode.cache_blocks={self.cache_blocks} must be >= 0 (0: 4 for beam search, "
                              "1 otherwise)")
@@ -149,7 +153,7 @@ class DecodeConfig:
     def search_tag(self) -> str:
         """The settings that change what the search finds, as a file-name part: greedy, beam4-gnmt0.6,
         sample-t1-k0-p0.9 (-e0.02 with epsilon) or mbr16-chrf- and its source (samples-t1-k0-p0-e0.02, beam-gnmt0.6),
-        then -extra<max_extra_length> (e.g. beam4-gnmt0.6-extra50)."""
+        then -extra<max_extra_length> (e.g. beam4-gnmt0.6-extra50), then -bfloat16 with decode.weights=bfloat16."""
         sampled = f"t{self.mbr_temperature:g}-k{self.top_k}-p{self.top_p:g}"
         sampled += f"-e{self.epsilon:g}" if self.epsilon else ""
         if self.search == "mbr":
@@ -161,15 +165,22 @@ class DecodeConfig:
             search = "greedy"
         else:
             search = f"beam{self.beam_size}-{self.length_penalty}{self.alpha:g}"
-        return f"{search}-extra{self.max_extra_length}"
+        weights = "" if self.weights == "float32" else f"-{self.weights}"
+        return f"{search}-extra{self.max_extra_length}{weights}"
 
-    def search_fn(self, graphdef: nnx.GraphDef, seed: int, *, scores: bool = False) -> Search:
+    def search_fn(self, graphdef: nnx.GraphDef, seed: int, *, scores: bool = False,
+                  model_config: ModelConfig | None = None) -> Search:
         """The configured search; `scores` makes greedy search and sampling score their hypothesis too (beam
         search always does), as n-best lists need. With search=mbr: mbr_candidates samples or n-best entries per
-        sentence, ranked on the host by mbr_utility (search_sentences)."""
+        sentence, ranked on the host by mbr_utility (search_sentences). decode.weights=bfloat16 needs the
+        model_config, whose model it builds again with bfloat16 matmuls."""
+        if self.weights != "float32":
+            if model_config is None:
+                raise ValueError(f"decode.weights={self.weights!r} needs the model config to build the search")
+            graphdef = weights_graphdef(model_config, self.weights)
         common = dict(max_extra_length=self.max_extra_length, alpha=self.alpha, penalty=self.length_penalty,
                       early_stopping=self.early_stopping, top_k=self.top_k, top_p=self.top_p, epsilon=self.epsilon,
-                      seed=seed, cache_blocks=self.cache_blocks)
+                      seed=seed, cache_blocks=self.cache_blocks, weights=self.weights)
         if self.search != "mbr":
             return make_search(graphdef, beam_size=self.beam_size, temperature=self.temperature, scores=scores,
                                **common)
@@ -296,7 +307,7 @@ def greedy_search(params: PyTree, inputs: jax.Array, streams: jax.Array | None =
                   max_extra_length: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0,
                   epsilon: float = 0.0, seed: int = 0, cache_blocks: int = 0, alpha: float = 0.0,
                   penalty: str = "gnmt", return_scores: bool = False, candidates: int = 1,
-                  keys: jax.Array | None = None, max_length: int | None = None
+                  keys: jax.Array | None = None, max_length: int | None = None, cache_dtype: Any = None
                   ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """inputs [batch, src_length] -> output ids [batch * candidates, src_length + max_extra_length], padded with 0
     after EOS; row s * candidates + j is candidate j of sentence s (one per sentence by default).
@@ -317,14 +328,14 @@ def greedy_search(params: PyTree, inputs: jax.Array, streams: jax.Array | None =
     if max_length is not None:
         max_decode_length, limits = min(max_decode_length, max_length), jnp.minimum(limits, max_length)
     cache = model.init_cache(model.encode(inputs), inputs, max_decode_length, hypotheses=candidates,
-                             blocks=cache_blocks_for(cache_blocks, candidates))
+                             blocks=cache_blocks_for(cache_blocks, candidates), dtype=cache_dtype)
     if temperature > 0:
         keys = candidate_keys(row_keys(seed, default_streams(batch) if streams is None else streams)
                               if keys is None else keys, candidates)
 
     def choose(logits, index):
         if temperature <= 0.0:
-            return jnp.argmax(logits, axis=-1)
+            return first_argmax(logits)
         logits = sampling_logits(logits, temperature, top_k, top_p, epsilon)
         return jax.vmap(lambda key, row: jax.random.categorical(jax.random.fold_in(key, index), row))(keys, logits)
 
@@ -362,22 +373,6 @@ def _gather_beams(tree: PyTree, beam_indices: jax.Array) -> PyTree:
     """Select beams: every leaf [batch, beams, ...] indexed by beam_indices [batch, n] -> [batch, n, ...]."""
     return jax.tree.map(lambda x: jnp.take_along_axis(
         x, beam_indices.reshape(beam_indices.shape + (1,) * (x.ndim - 2)), axis=1), tree)
-
-
-def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """lax.top_k over the last axis, through blocks of 125 when the vocabulary splits into them: the k best
-    entries lie in the k blocks with the largest maxima, so a top-k over the block maxima and one over those
-    k blocks replace one over the whole row, which XLA's CPU top-k runs ~1.5x (vocab 8k) to ~2x (32k) slower. (Among
-    exactly equal values the pick may differ from lax.top_k's lowest-index-first.)"""
-    *lead, vocab = x.shape
-    block = 125
-    if vocab % block or vocab < 16 * block or k > vocab // block:
-        return jax.lax.top_k(x, k)
-    blocks = x.reshape(*lead, vocab // block, block)
-    _, best = jax.lax.top_k(jnp.max(blocks, axis=-1), k)  # [..., k] the blocks holding the k best
-    candidates = jnp.take_along_axis(blocks, best[..., None], axis=-2).reshape(*lead, k * block)
-    values, within = jax.lax.top_k(candidates, k)
-    return values, jnp.take_along_axis(best, within // block, axis=-1) * block + within % block
 
 
 def _top_extensions(logits: jax.Array, live_scores: jax.Array, at_limit: jax.Array, count: int
@@ -421,7 +416,7 @@ def _beam_start(cache: PyTree, limits: jax.Array, beams: int, max_decode_length:
 
 def beam_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, beam_size: int, alpha: float,
                 max_extra_length: int, early_stopping: bool = True, cache_blocks: int = 0,
-                penalty: str = "gnmt") -> tuple[jax.Array, jax.Array]:
+                penalty: str = "gnmt", cache_dtype: Any = None) -> tuple[jax.Array, jax.Array]:
     """inputs [batch, src_length] -> (sequences [batch, beam_size, src_length + max_extra_length], each ending in
     EOS then padding, best first; scores [batch, beam_size], log P / length_penalty(length, alpha, penalty),
     NEG_INF-ish for empty slots).
@@ -436,7 +431,7 @@ def beam_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, be
     beams, max_decode_length = beam_size, inputs.shape[1] + max_extra_length
     limits = output_limits(inputs, max_extra_length, model.config)
     cache = model.init_cache(model.encode(inputs), inputs, max_decode_length, hypotheses=beams,
-                             blocks=cache_blocks_for(cache_blocks, beams))
+                             blocks=cache_blocks_for(cache_blocks, beams), dtype=cache_dtype)
 
     def not_done(carry):
         return (carry["index"] < max_decode_length) & ~jnp.all(carry["done"])
@@ -514,12 +509,13 @@ class Search:
 def make_search(graphdef: nnx.GraphDef, *, max_extra_length: int, beam_size: int = 1, alpha: float = 0.0,
                 penalty: str = "gnmt", early_stopping: bool = True, temperature: float = 0.0, top_k: int = 0,
                 top_p: float = 0.0, epsilon: float = 0.0, seed: int = 0, cache_blocks: int = 0, scores: bool = False,
-                candidates: int = 1, utility: str | None = None) -> Search:
+                candidates: int = 1, utility: str | None = None, weights: str = "float32") -> Search:
     """The `Search` of the settings: sampling when temperature > 0 (beam_size 1 only; `candidates` samples per
     sentence), else greedy search for beam_size 1, else beam search (all beam_size finished hypotheses); the
     self-attention cache in `cache_blocks` blocks (Transformer.init_cache; 0: cache_blocks_for's choice). scores:
     greedy search and sampling also score their hypotheses (a logsumexp per step; beam search scores anyway).
-    utility: rank each sentence's hypotheses by minimum Bayes risk under it (mbr.py) in search_sentences."""
+    utility: rank each sentence's hypotheses by minimum Bayes risk under it (mbr.py) in search_sentences. weights:
+    the floating parameters are cast to it inside each call (cast_weights; graphdef: weights_graphdef's)."""
     if candidates < 1 or (candidates > 1 and temperature <= 0.0):
         raise ValueError(f"candidates={candidates} must be 1, or more with temperature > 0 (distinct samples)")
     if utility is not None:
@@ -532,15 +528,18 @@ def make_search(graphdef: nnx.GraphDef, *, max_extra_length: int, beam_size: int
         raise ValueError(f"temperature={temperature} samples one hypothesis; beam_size={beam_size} asks for beam "
                          "search: choose one")
     sampling = temperature > 0.0 or beam_size == 1
+    # Weights alone in bfloat16: the caches, and attention over them, stay float32 (XLA's CPU backend converted a
+    # bfloat16 cache to float32 at every step: beam 4 at the small shape ran 37 sentences/s against 44 so).
+    cache_dtype = None if weights == "float32" else jnp.float32
     cache_blocks = cache_blocks_for(cache_blocks, candidates if sampling else beam_size)
     if sampling:
         greedy = functools.partial(greedy_search, graphdef=graphdef, max_extra_length=max_extra_length,
                                    temperature=temperature, top_k=top_k, top_p=top_p, epsilon=epsilon, seed=seed,
                                    cache_blocks=cache_blocks, alpha=alpha, penalty=penalty, return_scores=scores,
-                                   candidates=candidates)
+                                   candidates=candidates, cache_dtype=cache_dtype)
 
         def samples(params, inputs, streams):
-            outputs = greedy(params, inputs, streams)
+            outputs = greedy(cast_weights(params, weights), inputs, streams)
             rows = inputs.shape[0] * candidates
             sequences, row_scores = outputs if scores else (outputs, jnp.zeros((rows,), jnp.float32))
             return (sequences.reshape(inputs.shape[0], candidates, -1),
@@ -549,9 +548,9 @@ def make_search(graphdef: nnx.GraphDef, *, max_extra_length: int, beam_size: int
 
     def beams(params, inputs, streams):
         del streams  # beam search draws no random numbers
-        return beam_search(params, inputs, graphdef=graphdef, beam_size=beam_size, alpha=alpha,
+        return beam_search(cast_weights(params, weights), inputs, graphdef=graphdef, beam_size=beam_size, alpha=alpha,
                            max_extra_length=max_extra_length, early_stopping=early_stopping,
-                           cache_blocks=cache_blocks, penalty=penalty)
+                           cache_blocks=cache_blocks, penalty=penalty, cache_dtype=cache_dtype)
     return Search(jax.jit(beams), beam_size, True, alpha, penalty, utility=utility)
 
 

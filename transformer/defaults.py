@@ -194,6 +194,7 @@ def decode_defaults() -> ml_collections.ConfigDict:
     decode.average_last = 0  # the run's end, eval.py, translate average the last N checkpoints (0 or 1: none)
     decode.cache_blocks = 0  # the self-attention cache in N blocks, a step reads only those written so far: faster
     # steps, longer compilation; outputs do not depend on it. 0: 4 for beam search, 1 for greedy (decode.py)
+    decode.weights = "float32"  # bfloat16: searches run on bfloat16 weights and matmuls (float32 logits, softmax)
     decode.max_input_length = 0  # longer sources are cut to it, EOS kept, still scored (0: data.max_length); never
     # past a learned position table
     decode.max_tokens_per_batch = 16384  # sentences x padded source length per decoding batch: long ones come fewer

@@ -68,7 +68,7 @@ class Evaluator:
                                                   label_smoothing=settings.train.label_smoothing))
         # encoder_only has no decoder to search with; `scores` scores greedy search's hypothesis too (n-best lists).
         self.search = None if model_config.family == "encoder_only" else settings.decode.search_fn(
-            graphdef, settings.seed, scores=scores)
+            graphdef, settings.seed, scores=scores, model_config=model_config)
         self.input_bound = settings.decode.input_bound(settings.data.max_length, model_config.position_limit)
         self.splits: dict[str, tuple[TokenCache, np.ndarray]] = {}  # split -> its token cache and kept pairs
 

@@ -74,7 +74,8 @@ def translated_batches(restored: Restored, lines: Iterable[str], batch_size: int
     before `lines` (a resumed job's), which number the n-best lists and pin sampling's call index to
     start // rows + batch, so a job resumed at a batch boundary samples as if it had never stopped."""
     settings = restored.settings.decode
-    search = settings.search_fn(restored.graphdef, restored.settings.seed, scores=nbest > 0)
+    search = settings.search_fn(restored.graphdef, restored.settings.seed, scores=nbest > 0,
+                                model_config=restored.model_config)
     bound = restored.input_bound
     batch_sharding = restored.batch_sharding
     rows, count, cut_lines = batching.device_rows(batch_size, batch_sharding), start, []

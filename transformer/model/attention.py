@@ -187,11 +187,11 @@ class MultiHeadAttention(blocks.Block):
                      last_row: Array | int = 0, prefix: tuple = ()) -> Array:
         """As attend, over keys/values of a decoding cache (blocked_attention, with its prefix). Cached decoding
         always takes this path, whatever config.attention: jax's kernels have no form for a few queries over a
-        cache."""
-        query = jnp.transpose(self.split_heads(self.query(x)), (0, 2, 1, 3))
+        cache. It computes in the cache's dtype (CacheSetup.dtype), the projections in the model's."""
+        query = jnp.transpose(self.split_heads(self.query(x)), (0, 2, 1, 3)).astype(key_blocks[0].dtype)
         attended = jnp.transpose(blocked_attention(query, key_blocks, value_blocks, mask, last_row, prefix),
                                  (0, 2, 1, 3))
-        return self.merge_heads(attended, x)
+        return self.merge_heads(attended.astype(x.dtype), x)
 
 
 @blocks.register("self_attention", "dense")
@@ -221,10 +221,11 @@ class DenseSelfAttention(MultiHeadAttention):
         positions, count = self.cache_positions(setup)
         rows = -(-positions // count) * count * setup.hypotheses
         config, length = self.config, rows // count
-        return {"key": tuple(jnp.zeros((setup.batch, config.num_heads, config.head_dim, length),
-                                       config.compute_dtype) for _ in range(count)),
-                "value": tuple(jnp.zeros((setup.batch, config.num_heads, length, config.head_dim),
-                                         config.compute_dtype) for _ in range(count))}
+        dtype = setup.dtype or config.compute_dtype
+        return {"key": tuple(jnp.zeros((setup.batch, config.num_heads, config.head_dim, length), dtype)
+                             for _ in range(count)),
+                "value": tuple(jnp.zeros((setup.batch, config.num_heads, length, config.head_dim), dtype)
+                               for _ in range(count))}
 
     def decode_step(self, x: Array, cache: Cache, step: Step) -> tuple[Array, Cache]:
         """This position's keys/values written into the cache's rows, then each query reads the rows its
@@ -261,7 +262,8 @@ class DenseCrossAttention(MultiHeadAttention):
         return self.attend(x, keys, values, inputs.cross_mask, deterministic=deterministic, rngs=rngs), {}
 
     def init_cache(self, setup: CacheSetup) -> Cache:
-        return dict(zip(("key", "value"), to_cache_layout(*self.keys_values(setup.encoded))))
+        dtype = setup.dtype or self.config.compute_dtype
+        return dict(zip(("key", "value"), (x.astype(dtype) for x in to_cache_layout(*self.keys_values(setup.encoded)))))
 
     def decode_step(self, x: Array, cache: Cache, step: Step) -> tuple[Array, Cache]:
         return self.attend_cache(x, (cache["key"],), (cache["value"],), step.source_mask), cache

@@ -60,6 +60,7 @@ class CacheSetup:
     max_length: int
     hypotheses: int
     blocks: int
+    dtype: Any = None  # the caches' dtype (attention over them computes in it); None: the model's compute dtype
 
     @property
     def batch(self) -> int:

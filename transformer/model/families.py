@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -54,12 +56,13 @@ class DecoderOnly(Transformer):
         return (logits, mean_stats(stats)) if with_router_stats else logits
 
     def init_cache(self, encoded: Array, inputs: Array, max_decode_length: int, *, hypotheses: int = 1,
-                   blocks: int = 1) -> Cache:
+                   blocks: int = 1, dtype: Any = None) -> Cache:
         """Transformer.init_cache's, after the source prefix (encoded: `encode`) has run through the layers once, as
         the teacher-forced pass runs it (a source never sees a target, so its states are the same), each block
         keeping what its steps read of it (Block.prefill), and each row's prefix length, which numbers the steps'
         positions on from it."""
-        cache = super().init_cache(encoded, inputs, max_decode_length, hypotheses=hypotheses, blocks=blocks)
+        cache = super().init_cache(encoded, inputs, max_decode_length, hypotheses=hypotheses, blocks=blocks,
+                                   dtype=dtype)
         segmentation = (inputs != 0).astype(jnp.int32)
         prefix = Inputs(self_mask=SelfMask(segmentation, causal=not self.config.prefix_lm), real=segmentation != 0)
         _, layers = prefill_layers(self.decoder_layers, encoded, prefix, cache["layers"])

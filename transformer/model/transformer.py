@@ -119,16 +119,16 @@ class Transformer(nnx.Module):
         return logits + self.output_bias[...] if self.config.output_bias else logits
 
     def init_cache(self, encoded: Array, inputs: Array, max_decode_length: int, *, hypotheses: int = 1,
-                   blocks: int = 1) -> Cache:
+                   blocks: int = 1, dtype: Any = None) -> Cache:
         """The decoding cache of `hypotheses` hypotheses per source sentence (inputs [batch, src_length], encoded
         its `encode`), each of up to max_decode_length positions: the source mask, and per decoder layer each
         block's cache (Block.init_cache) by role: dense self-attention's empty rows of keys/values held in
         `blocks` arrays (a step reads only those written so far), cross-attention's keys/values of the source,
-        computed once for the whole decode."""
+        computed once for the whole decode. dtype: the caches' (CacheSetup.dtype)."""
         if blocks < 1:
             raise ValueError(f"blocks={blocks} must be >= 1")
         setup = CacheSetup(encoded=encoded, source_segmentation=inputs != 0, max_length=max_decode_length,
-                           hypotheses=hypotheses, blocks=blocks)
+                           hypotheses=hypotheses, blocks=blocks, dtype=dtype)
         return {"source_mask": (inputs != 0)[:, None, None, :],
                 "layers": [layer.init_cache(setup) for layer in self.decoder_layers]}
 
