@@ -88,6 +88,16 @@ flags.DEFINE_integer("candidates", 0, "decode: > 0 draws this many samples per s
 flags.DEFINE_enum("decode_weights", "float32", ["float32", "bfloat16"], "decode: decode.weights, the dtype of "
                   "the search's weights and matmuls.")
 flags.DEFINE_integer("repeats", 3, "decode: timed runs (the median is reported).")
+flags.DEFINE_integer("decode_shrink", 0, "decode: decode.shrink, the most halvings of a batch as its sentences "
+                     "finish (with --workdir; random sentences all run to the limit).")
+flags.DEFINE_string("workdir", None, "decode: translate --input with this workdir's model and decode settings (batch "
+                    "size, alpha, length penalty) instead of random sentences; --beam_size, --decode_weights and "
+                    "--decode_shrink override them.")
+flags.DEFINE_string("input", None, "decode with --workdir: the text file of source sentences, one per line.")
+flags.DEFINE_string("ctranslate2", None, "decode with --workdir: also time this CTranslate2 export of the same model "
+                    "(scripts/export.py --format=ctranslate2) on the same sentences and pieces, in the same sitting.")
+flags.DEFINE_enum("ct2_compute_type", "int8", ["float32", "int8", "int8_float32", "bfloat16"], "decode with "
+                  "--ctranslate2: its compute type.")
 flags.DEFINE_bool("decode_all_devices", False, "decode: split the batch's rows over every device, as decode.search_sentences "
                   "does (8 fake CPU devices: XLA_FLAGS=--xla_force_host_platform_device_count=8).")
 flags.DEFINE_string("output", "", "Append the result as one JSON line to this file.")
@@ -372,6 +382,66 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
     return result
 
 
+def run_decode_text(workdir: str, input_path: str, *, beam_size: int, repeats: int) -> dict:
+    """Translate a text file with a workdir's model as eval.py does (search_sentences: length-sorted batches of
+    decode.batch_size, the token budget, early stopping), the first pass compiling every batch shape, then the
+    median of `repeats` timed passes; with --ctranslate2, CTranslate2 on the same sentences' pieces, beam and
+    batch size, no length penalty on either side when the workdir's alpha is 0."""
+    import statistics
+
+    from transformer import restore
+    from transformer.evaluation import Evaluator
+
+    overrides = dict(beam_size=beam_size, weights=flags.FLAGS.decode_weights, shrink=flags.FLAGS.decode_shrink)
+    restored = restore.restore(workdir, decode_overrides=overrides)
+    with open(input_path, encoding="utf-8") as handle:
+        sentences = [line.rstrip("\n") for line in handle]
+    evaluator = Evaluator.of(restored)
+    settings = restored.settings.decode
+    start = time.perf_counter()
+    translations = evaluator.translate(restored.params, sentences, None).hypotheses
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        evaluator.translate(restored.params, sentences, None)
+        times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    result = dict(mode="decode_text", workdir=workdir, input=input_path, sentences=len(sentences),
+                  beam_size=beam_size, alpha=settings.alpha, batch_size=settings.batch_size,
+                  max_tokens_per_batch=settings.max_tokens_per_batch, weights=settings.weights, shrink=settings.shrink,
+                  backend=jax.default_backend(), jax=jax.__version__,
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  first_pass_seconds=first, seconds=times, sentences_per_second=len(sentences) / median)
+    print(f"ours: {len(sentences) / median:.1f} sentences/s (median of {[round(t, 2) for t in times]} s; first "
+          f"pass, compiling, {first:.1f} s)", flush=True)
+    if flags.FLAGS.ctranslate2:
+        import ctranslate2
+        translator = ctranslate2.Translator(flags.FLAGS.ctranslate2, device="cpu",
+                                            compute_type=flags.FLAGS.ct2_compute_type,
+                                            intra_threads=os.cpu_count() or 1)
+        tokenizer = restored.tokenizer
+        pieces = [[tokenizer.id_to_piece(int(i)) for i in ids]
+                  for ids in tokenizer.encode_lists(sentences, "source")]
+        options = dict(beam_size=beam_size, max_batch_size=settings.batch_size, length_penalty=settings.alpha,
+                       max_decoding_length=settings.max_extra_length + max(map(len, pieces)))
+        translator.translate_batch(pieces, **options)
+        ct2_times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            found = translator.translate_batch(pieces, **options)
+            ct2_times.append(time.perf_counter() - start)
+        ct2_median = statistics.median(ct2_times)
+        ct2_text = [tokenizer.decode([tokenizer.piece_to_id(piece) for piece in r.hypotheses[0]]) for r in found]
+        same = sum(a == b for a, b in zip(ct2_text, translations))
+        result["ctranslate2"] = dict(compute_type=flags.FLAGS.ct2_compute_type, seconds=ct2_times,
+                                     sentences_per_second=len(sentences) / ct2_median, same_translations=same)
+        print(f"CTranslate2 {flags.FLAGS.ct2_compute_type}: {len(sentences) / ct2_median:.1f} sentences/s (median "
+              f"of {[round(t, 2) for t in ct2_times]} s); {same} of {len(sentences)} translations the same as ours",
+              flush=True)
+    return result
+
+
 def print_table(result: dict) -> None:
     rows = [("mode", result["mode"]), ("device", f"{result['devices']} x {result['device_kind']}"),
             ("mesh", result["mesh"]), ("batch", f"{result['batch']} x {result['source_length']} x "
@@ -412,7 +482,12 @@ def main(argv):
             # No mode reads data (the batches are synthetic, the vocabulary is --vocab_size), so a config that
             # reads a local folder benchmarks without one; its batch and lengths are unchanged.
             config.data.source = "builtin"
-    if flags.FLAGS.mode == "decode":
+    if flags.FLAGS.mode == "decode" and flags.FLAGS.workdir:
+        if not flags.FLAGS.input:
+            raise app.UsageError("--workdir decodes the sentences of --input: name a text file")
+        result = run_decode_text(flags.FLAGS.workdir, flags.FLAGS.input, beam_size=flags.FLAGS.beam_size,
+                                 repeats=flags.FLAGS.repeats)
+    elif flags.FLAGS.mode == "decode":
         result = run_decode(config, sizes, new_tokens=flags.FLAGS.new_tokens, beam_size=flags.FLAGS.beam_size,
                             repeats=flags.FLAGS.repeats)
     elif flags.FLAGS.compile_only:
@@ -420,7 +495,7 @@ def main(argv):
     else:
         result = run_train(config, sizes, steps=flags.FLAGS.steps, warmup=flags.FLAGS.warmup,
                            peak_size=flags.FLAGS.peak_size)
-    if result["mode"] != "decode":
+    if result["mode"] not in ("decode", "decode_text"):
         print_table(result)
     if flags.FLAGS.output:
         os.makedirs(os.path.dirname(os.path.abspath(flags.FLAGS.output)), exist_ok=True)

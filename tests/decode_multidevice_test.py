@@ -66,3 +66,14 @@ def test_params_on_a_trainer_mesh_decode_on_its_batch_axes(setup):
     with pytest.raises(ValueError, match="incompatible devices"):
         decode.search_sentences(searches["greedy"], placed, tokenizer, ["A cat."], 8,
                                 batch_sharding=rows_over(jax.devices()))
+
+
+def test_a_shrinking_batch_over_8_devices_decodes_what_one_device_does(setup):
+    """decode.shrink=2: each batch of 8 rows (one per device) halves to 4 and 2 rows as its sentences finish; the
+    gathered rows and the outputs scattered back give one device's hypotheses, in input order."""
+    tokenizer, params, _, one_device = setup
+    graphdef, _ = decode_setup.tiny_model()
+    shrinking = {name: decode.make_search(graphdef, max_extra_length=decode_setup.MAX_EXTRA_LENGTH, scores=True,
+                                          shrink=2, **decode_setup.SEARCHES[name]) for name in ("greedy", "beam")}
+    decode_setup.assert_same_hypotheses(decode_setup.decode_all(shrinking, params, tokenizer, batch_size=8),
+                                        {name: one_device[name] for name in shrinking})

@@ -586,3 +586,57 @@ def test_bfloat16_weights_decode_in_bfloat16_with_float32_caches_close_to_float3
     search = make_search(weights_graphdef(config, "bfloat16"), max_extra_length=6, weights="bfloat16")
     outputs = np.asarray(search(params, INPUTS))[:2]
     assert all(EOS_ID in row for row in outputs) and not np.any(outputs[:, 0] == PAD_ID)
+
+
+def while_loop_batches(function, *args) -> list[int]:
+    """The row count (the smallest leading size of its state) of each while loop of `function`'s program, outermost
+    first, in program order; loops inside loops are not counted."""
+    def loops(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "while":
+                yield min(v.aval.shape[0] for v in eqn.invars if v.aval.ndim >= 1)
+            else:
+                for param in eqn.params.values():
+                    if hasattr(param, "jaxpr"):  # a closed jaxpr (jit, custom_jvp)
+                        yield from loops(param.jaxpr)
+    return list(loops(jax.make_jaxpr(function)(*args).jaxpr))
+
+
+SHRINK_INPUTS = np.zeros((8, 8), np.int32)  # sources of 7, 2, 5, 0 (padding), 3, 6, 1 and 4 tokens, then EOS
+for _row, _length in enumerate([7, 2, 5, 0, 3, 6, 1, 4]):
+    SHRINK_INPUTS[_row, :_length] = np.random.default_rng(_row).integers(3, 20, _length)
+    SHRINK_INPUTS[_row, _length] = EOS_ID if _length else 0
+
+
+def assert_shrinking_decodes_the_whole_batch(params, graphdef, shrink, batches, apart, **kw):
+    streams = jnp.stack([jnp.zeros(8, jnp.int32), jnp.arange(8, dtype=jnp.int32)], axis=1)
+    whole, shrunk = (make_search(graphdef, max_extra_length=6, shrink=n, **kw) for n in (0, shrink))
+    (sequences, scores), (shrunk_sequences, shrunk_scores) = (search.run(params, SHRINK_INPUTS, streams)
+                                                              for search in (whole, shrunk))
+    real = [length_of(np.asarray(row)) for row, source in zip(sequences[:, 0], SHRINK_INPUTS) if source.any()]
+    assert len(set(real)) >= apart, real  # the sentences end at different steps
+    np.testing.assert_array_equal(shrunk_sequences, sequences)
+    np.testing.assert_allclose(shrunk_scores, scores, rtol=1e-5)
+    assert while_loop_batches(shrunk.run, params, SHRINK_INPUTS, streams) == batches
+
+
+def test_a_shrinking_batch_decodes_what_the_whole_batch_does(model_and_search):
+    """decode.shrink: the batch halves as its sentences finish at different steps (greedy: 8 -> 4 -> 2 -> 1 rows;
+    beam search, 2 beams: 8 -> 4), and the outputs and scores are the whole batch's, each in its own row."""
+    graphdef, params, _ = model_and_search
+    assert_shrinking_decodes_the_whole_batch(params, graphdef, 3, [8, 4, 2, 1], 4, scores=True)
+    beam_graphdef, beam_params = build(20, 0)  # whose beams end at 7 different steps (seed 3's mostly at the first)
+    assert_shrinking_decodes_the_whole_batch(beam_params, beam_graphdef, 1, [8, 4], 4, beam_size=2, alpha=0.6)
+    with pytest.raises(ValueError, match="decode.shrink=-1 must be >= 0"):
+        DecodeConfig(shrink=-1)
+
+
+@pytest.mark.slow
+def test_a_shrinking_batch_keeps_every_candidate_and_beam_of_a_sentence(model_and_search):
+    """Sampling's 3 candidates per sentence leave the batch together, when all three end; beam search's 3 beams
+    and finished hypotheses over 8 -> 4 -> 2 -> 1 rows: the whole batch's outputs and scores."""
+    graphdef, params, _ = model_and_search
+    assert_shrinking_decodes_the_whole_batch(params, graphdef, 3, [8, 4, 2, 1], 4, temperature=1.0, candidates=3,
+                                             scores=True)
+    beam_graphdef, beam_params = build(20, 0)
+    assert_shrinking_decodes_the_whole_batch(beam_params, beam_graphdef, 3, [8, 4, 2, 1], 4, beam_size=3, alpha=0.6)

@@ -17,7 +17,7 @@ from transformer.restore import Restored, load_workdir_config, restore
 # Flags of both tools that override the workdir config's decode section when given.
 COMMAND_LINE_OVERRIDES = ("batch_size", "max_tokens_per_batch", "beam_size", "alpha", "length_penalty",
                           "max_extra_length", "temperature", "top_k", "top_p", "epsilon", "search", "mbr_candidates",
-                          "mbr_from", "mbr_utility", "weights")
+                          "mbr_from", "mbr_utility", "weights", "shrink")
 
 
 def define_command_line_flags(unit: str) -> None:
@@ -50,6 +50,8 @@ def define_command_line_flags(unit: str) -> None:
     flags.DEFINE_enum("mbr_utility", None, list(UTILITIES), "MBR's utility (default: decode.mbr_utility).")
     flags.DEFINE_enum("weights", None, list(WEIGHTS), "bfloat16: decode on bfloat16 weights and matmuls "
                       "(default: decode.weights).")
+    flags.DEFINE_integer("shrink", None, "Halve a batch up to N times as its sentences finish: faster on CPU, "
+                         "the same outputs (default: decode.shrink).")
 
 
 def command_line_settings(saved: Mapping[str, Any], *, step: int | None, average_last: int | None, best: bool,

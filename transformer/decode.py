@@ -57,15 +57,15 @@ from jax.sharding import NamedSharding
 
 from transformer import batching, config_files, data, mbr, sharding
 from transformer.model.config import ModelConfig
-from transformer.search_ops import WEIGHTS, _top_k, cast_weights, first_argmax, weights_graphdef  # noqa: F401
+from transformer.search_ops import (NEG_INF, WEIGHTS, _top_k, candidate_keys, cast_weights,  # noqa: F401
+                                    choose_tokens, first_argmax, row_keys, sampling_logits, shrinking_loop,
+                                    weights_graphdef)
 from transformer.tokenizer import EOS_ID, PAD_ID, Tokenizer
 
 PyTree = Any
 PENALTIES = ("gnmt", "fairseq")
 SEARCHES = ("auto", "mbr")  # auto: greedy, beam or sampling by beam_size and temperature; mbr: mbr.py's choice
 MBR_SOURCES = ("samples", "beam")
-# A large finite "minus infinity": sums and divisions of it stay finite, so no NaN can enter the top-k.
-NEG_INF = -1.0e7
 
 
 @config_files.section("decode")
@@ -85,6 +85,7 @@ class DecodeConfig:
     average_last: int
     cache_blocks: int
     weights: str  # one of WEIGHTS
+    shrink: int
     max_input_length: int
     max_tokens_per_batch: int
     epsilon: float
@@ -106,6 +107,8 @@ class DecodeConfig:
             raise ValueError(f"decode.length_penalty={self.length_penalty!r} must be one of {PENALTIES}")
         if self.weights not in WEIGHTS:
             raise ValueError(f"decode.weights={self.weights!r} must be one of {WEIGHTS}")
+        if self.shrink < 0:
+            raise ValueError(f"decode.shrink={self.shrink} must be >= 0 (the most halvings of a batch; 0: none)")
         if self.cache_blocks < 0:
             raise ValueError(f"decode.cache_blocks={self.cache_blocks} must be >= 0 (0: 4 for beam search, "
                              "1 otherwise)")
@@ -180,7 +183,7 @@ class DecodeConfig:
             graphdef = weights_graphdef(model_config, self.weights)
         common = dict(max_extra_length=self.max_extra_length, alpha=self.alpha, penalty=self.length_penalty,
                       early_stopping=self.early_stopping, top_k=self.top_k, top_p=self.top_p, epsilon=self.epsilon,
-                      seed=seed, cache_blocks=self.cache_blocks, weights=self.weights)
+                      seed=seed, cache_blocks=self.cache_blocks, weights=self.weights, shrink=self.shrink)
         if self.search != "mbr":
             return make_search(graphdef, beam_size=self.beam_size, temperature=self.temperature, scores=scores,
                                **common)
@@ -256,48 +259,6 @@ def cache_blocks_for(cache_blocks: int, beam_size: int) -> int:
 # Greedy search and sampling: one hypothesis per sentence, or several candidates of one
 
 
-def sampling_logits(logits: jax.Array, temperature: float, top_k: int = 0, top_p: float = 0.0,
-                    epsilon: float = 0.0) -> jax.Array:
-    """logits [rows, vocab] -> logits / temperature with every token of probability below epsilon (when > 0, at
-    that temperature; the most likely token always stays: Hewitt et al. 2022, Freitag et al. 2023's MBR samples),
-    then outside the top_k (when > 0) and then outside the nucleus (when 0 < top_p < 1: the fewest most likely
-    tokens whose probability reaches top_p; Holtzman et al. 2020) set to NEG_INF. Tokens tied with the nucleus'
-    least likely one stay in."""
-    logits = logits / temperature
-    if epsilon > 0.0:
-        probs = jax.nn.softmax(logits, axis=-1)
-        keep = (probs >= epsilon) | (logits >= jnp.max(logits, axis=-1, keepdims=True))
-        logits = jnp.where(keep, logits, NEG_INF)
-    if top_k > 0:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits >= kth, logits, NEG_INF)
-    if 0.0 < top_p < 1.0:
-        ranked = -jnp.sort(-logits, axis=-1)
-        probs = jax.nn.softmax(ranked, axis=-1)
-        # A token is in the nucleus while the tokens ranked above it hold less than top_p (the first always is).
-        inside = jnp.cumsum(probs, axis=-1) - probs < top_p
-        least = jnp.min(jnp.where(inside, ranked, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits >= least, logits, NEG_INF)
-    return logits
-
-
-def row_keys(seed: int, streams: jax.Array) -> jax.Array:
-    """streams [rows, 2] of (call, sentence index) -> each row's key fold_in(fold_in(key(seed), call), index)."""
-    base = jax.random.key(seed)
-    return jax.vmap(lambda stream: jax.random.fold_in(jax.random.fold_in(base, stream[0]), stream[1]))(streams)
-
-
-def candidate_keys(keys: jax.Array, candidates: int) -> jax.Array:
-    """[rows] keys -> [rows * candidates]: candidate 0 of a row draws with the row's own key (so one candidate is
-    plain sampling's sample), candidate j > 0 with fold_in(key, j)."""
-    if candidates == 1:
-        return keys
-    folded = jax.vmap(lambda key: jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(candidates)))(keys)
-    own = (jnp.arange(candidates) == 0)[None, :, None]
-    chosen = jnp.where(own, jax.random.key_data(keys)[:, None], jax.random.key_data(folded))
-    return jax.random.wrap_key_data(chosen.reshape(-1, chosen.shape[-1]), impl=jax.random.key_impl(keys))
-
-
 def default_streams(batch: int, call: int = 0) -> jax.Array:
     """Rows 0..batch-1 as sentences 0..batch-1 of call `call` (a batch passed to a search directly)."""
     return jnp.stack([jnp.full((batch,), call, jnp.int32), jnp.arange(batch, dtype=jnp.int32)], axis=1)
@@ -307,8 +268,8 @@ def greedy_search(params: PyTree, inputs: jax.Array, streams: jax.Array | None =
                   max_extra_length: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0,
                   epsilon: float = 0.0, seed: int = 0, cache_blocks: int = 0, alpha: float = 0.0,
                   penalty: str = "gnmt", return_scores: bool = False, candidates: int = 1,
-                  keys: jax.Array | None = None, max_length: int | None = None, cache_dtype: Any = None
-                  ) -> jax.Array | tuple[jax.Array, jax.Array]:
+                  keys: jax.Array | None = None, max_length: int | None = None, cache_dtype: Any = None,
+                  shrink: int = 0) -> jax.Array | tuple[jax.Array, jax.Array]:
     """inputs [batch, src_length] -> output ids [batch * candidates, src_length + max_extra_length], padded with 0
     after EOS; row s * candidates + j is candidate j of sentence s (one per sentence by default).
 
@@ -320,11 +281,12 @@ def greedy_search(params: PyTree, inputs: jax.Array, streams: jax.Array | None =
     (Transformer.init_cache; 0: cache_blocks_for's choice); the outputs are the same up to float rounding.
     return_scores: also [batch * candidates] log P(output) / length_penalty(length, alpha, penalty), log P under the
     model itself (temperature 1). keys [batch]: the rows' sampling keys instead of row_keys(seed, streams)'s (the
-    train step's own). max_length: outputs of at most this many tokens, EOS included (the buffer too).
+    train step's own). max_length: outputs of at most this many tokens, EOS included. shrink: shrinking_loop's.
     """
     model = nnx.merge(graphdef, params)
     batch, max_decode_length = inputs.shape[0], inputs.shape[1] + max_extra_length
-    limits = jnp.repeat(output_limits(inputs, max_extra_length, model.config), candidates)
+    shape = (batch, candidates)  # the loop's state: shrinking_loop drops a sentence with all its candidates
+    limits = jnp.repeat(output_limits(inputs, max_extra_length, model.config), candidates).reshape(shape)
     if max_length is not None:
         max_decode_length, limits = min(max_decode_length, max_length), jnp.minimum(limits, max_length)
     cache = model.init_cache(model.encode(inputs), inputs, max_decode_length, hypotheses=candidates,
@@ -333,36 +295,35 @@ def greedy_search(params: PyTree, inputs: jax.Array, streams: jax.Array | None =
         keys = candidate_keys(row_keys(seed, default_streams(batch) if streams is None else streams)
                               if keys is None else keys, candidates)
 
-    def choose(logits, index):
-        if temperature <= 0.0:
-            return first_argmax(logits)
-        logits = sampling_logits(logits, temperature, top_k, top_p, epsilon)
-        return jax.vmap(lambda key, row: jax.random.categorical(jax.random.fold_in(key, index), row))(keys, logits)
-
     def not_done(carry):
         return (carry["index"] < max_decode_length) & ~jnp.all(carry["finished"])
 
     def step(carry):
-        index, finished = carry["index"], carry["finished"]
-        raw, cache = model.decode_step(carry["previous"].reshape(batch, candidates), index, carry["cache"])
-        raw = raw.reshape(batch * candidates, -1)
-        logits = allowed_logits(raw, index, limits)
-        token = jnp.where(finished, PAD_ID, choose(logits, index).astype(jnp.int32))
-        log_prob = carry["log_prob"]
+        index, finished = carry["index"], carry["finished"].reshape(-1)
+        raw, cache = model.decode_step(carry["previous"], index, carry["cache"])  # [batch, candidates, vocab]
+        raw = raw.reshape(finished.shape[0], -1)
+        logits = allowed_logits(raw, index, carry["limits"].reshape(-1))
+        chosen = choose_tokens(logits, index, carry["keys"].reshape(-1) if temperature > 0 else None, temperature,
+                               top_k, top_p, epsilon)
+        token = jnp.where(finished, PAD_ID, chosen.astype(jnp.int32))
         if return_scores:  # normalised over the whole vocabulary, as beam search scores EOS at the limit
             picked = jnp.take_along_axis(raw, token[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(raw, axis=-1)
-            log_prob = log_prob + jnp.where(finished, 0.0, picked)
-        return dict(index=index + 1, previous=token, cache=cache, finished=finished | (token == EOS_ID),
-                    outputs=carry["outputs"].at[:, index].set(token), log_prob=log_prob)
+            picked = jnp.where(finished, 0.0, picked).reshape(carry["log_prob"].shape)
+            carry = dict(carry, log_prob=carry["log_prob"] + picked)
+        token = token.reshape(carry["previous"].shape)
+        return dict(carry, index=index + 1, previous=token, cache=cache, finished=carry["finished"] | (token == EOS_ID),
+                    outputs=carry["outputs"].at[:, :, index].set(token))
 
-    rows = batch * candidates
-    start = dict(index=jnp.int32(0), previous=jnp.zeros((rows,), jnp.int32), cache=cache, finished=limits == 0,
-                 outputs=jnp.zeros((rows, max_decode_length), jnp.int32), log_prob=jnp.zeros((rows,), jnp.float32))
-    final = jax.lax.while_loop(not_done, step, start)
+    start = dict(index=jnp.int32(0), previous=jnp.zeros(shape, jnp.int32), cache=cache, finished=limits == 0,
+                 limits=limits, outputs=jnp.zeros((*shape, max_decode_length), jnp.int32),
+                 log_prob=jnp.zeros(shape, jnp.float32), **({"keys": keys.reshape(shape)} if temperature > 0 else {}))
+    final = shrinking_loop(not_done, step, start, lambda carry: jnp.all(carry["finished"], axis=1), shrink,
+                           ("outputs", "log_prob"))
+    outputs = final["outputs"].reshape(batch * candidates, max_decode_length)
     if not return_scores:
-        return final["outputs"]
-    lengths = jnp.argmax(final["outputs"] == EOS_ID, axis=1) + 1  # every real row ends with its EOS
-    return final["outputs"], final["log_prob"] / length_penalty(lengths, alpha, penalty)
+        return outputs
+    lengths = jnp.argmax(outputs == EOS_ID, axis=1) + 1  # every real row ends with its EOS
+    return outputs, final["log_prob"].reshape(-1) / length_penalty(lengths, alpha, penalty)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -411,12 +372,12 @@ def _beam_start(cache: PyTree, limits: jax.Array, beams: int, max_decode_length:
                 live_scores=live_scores, live_sequences=jnp.zeros((batch, beams, max_decode_length), jnp.int32),
                 finished_scores=jnp.full((batch, beams), NEG_INF, jnp.float32),
                 finished_sequences=jnp.zeros((batch, beams, max_decode_length), jnp.int32),
-                finished_flags=jnp.zeros((batch, beams), bool), done=limits == 0)
+                finished_flags=jnp.zeros((batch, beams), bool), done=limits == 0, limits=limits)
 
 
 def beam_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, beam_size: int, alpha: float,
                 max_extra_length: int, early_stopping: bool = True, cache_blocks: int = 0,
-                penalty: str = "gnmt", cache_dtype: Any = None) -> tuple[jax.Array, jax.Array]:
+                penalty: str = "gnmt", cache_dtype: Any = None, shrink: int = 0) -> tuple[jax.Array, jax.Array]:
     """inputs [batch, src_length] -> (sequences [batch, beam_size, src_length + max_extra_length], each ending in
     EOS then padding, best first; scores [batch, beam_size], log P / length_penalty(length, alpha, penalty),
     NEG_INF-ish for empty slots).
@@ -425,7 +386,8 @@ def beam_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, be
     self-attention cache's blocks (Transformer.init_cache; 0: cache_blocks_for's choice, 4); the results are the
     same up to float rounding. The beams are decode_step's hypotheses; reordering them moves the ancestor table
     [batch, beams, positions] (which beam slot's cache rows hold each position of each hypothesis), never the
-    cache, which every layer would have to copy.
+    cache, which every layer would have to copy. shrink: the batch halves up to this many times as its sentences
+    finish (search_ops.shrinking_loop; the same outputs).
     """
     model = nnx.merge(graphdef, params)
     beams, max_decode_length = beam_size, inputs.shape[1] + max_extra_length
@@ -437,7 +399,7 @@ def beam_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, be
         return (carry["index"] < max_decode_length) & ~jnp.all(carry["done"])
 
     def step(carry):
-        index = carry["index"]
+        index, limits = carry["index"], carry["limits"]
         # Each slot's hypothesis sees its own slot at the position it writes now.
         ancestors = carry["ancestors"].at[:, :, index].set(jnp.arange(beams))
         logits, cache = model.decode_step(carry["tokens"], index, carry["cache"], history=ancestors)
@@ -461,11 +423,13 @@ def beam_search(params: PyTree, inputs: jax.Array, *, graphdef: nnx.GraphDef, be
         best_possible = live_scores[:, 0] / length_penalty(limits, alpha, penalty)
         settled = jnp.all(finished_flags, axis=1) & (finished_scores[:, -1] >= best_possible)
         done = carry["done"] | (index + 1 >= limits) | (early_stopping & settled)
-        return dict(index=index + 1, cache=cache, ancestors=ancestors, tokens=live["tokens"],
+        return dict(carry, index=index + 1, cache=cache, ancestors=ancestors, tokens=live["tokens"],
                     live_scores=live_scores, live_sequences=live["sequences"], finished_scores=finished_scores,
                     finished_sequences=finished_sequences, finished_flags=finished_flags, done=done)
 
-    final = jax.lax.while_loop(not_done, step, _beam_start(cache, limits, beams, max_decode_length))
+    final = shrinking_loop(not_done, step, _beam_start(cache, limits, beams, max_decode_length),
+                           lambda carry: carry["done"], shrink,
+                           ("finished_scores", "finished_sequences", "finished_flags"))
     sequences = jnp.where(final["finished_flags"][:, :, None], final["finished_sequences"], 0)
     return sequences, final["finished_scores"]
 
@@ -509,13 +473,14 @@ class Search:
 def make_search(graphdef: nnx.GraphDef, *, max_extra_length: int, beam_size: int = 1, alpha: float = 0.0,
                 penalty: str = "gnmt", early_stopping: bool = True, temperature: float = 0.0, top_k: int = 0,
                 top_p: float = 0.0, epsilon: float = 0.0, seed: int = 0, cache_blocks: int = 0, scores: bool = False,
-                candidates: int = 1, utility: str | None = None, weights: str = "float32") -> Search:
+                candidates: int = 1, utility: str | None = None, weights: str = "float32", shrink: int = 0) -> Search:
     """The `Search` of the settings: sampling when temperature > 0 (beam_size 1 only; `candidates` samples per
     sentence), else greedy search for beam_size 1, else beam search (all beam_size finished hypotheses); the
     self-attention cache in `cache_blocks` blocks (Transformer.init_cache; 0: cache_blocks_for's choice). scores:
     greedy search and sampling also score their hypotheses (a logsumexp per step; beam search scores anyway).
     utility: rank each sentence's hypotheses by minimum Bayes risk under it (mbr.py) in search_sentences. weights:
-    the floating parameters are cast to it inside each call (cast_weights; graphdef: weights_graphdef's)."""
+    the floating parameters are cast to it inside each call (cast_weights; graphdef: weights_graphdef's). shrink: the
+    batch halves up to this many times as its sentences finish (search_ops.shrinking_loop)."""
     if candidates < 1 or (candidates > 1 and temperature <= 0.0):
         raise ValueError(f"candidates={candidates} must be 1, or more with temperature > 0 (distinct samples)")
     if utility is not None:
@@ -536,7 +501,7 @@ def make_search(graphdef: nnx.GraphDef, *, max_extra_length: int, beam_size: int
         greedy = functools.partial(greedy_search, graphdef=graphdef, max_extra_length=max_extra_length,
                                    temperature=temperature, top_k=top_k, top_p=top_p, epsilon=epsilon, seed=seed,
                                    cache_blocks=cache_blocks, alpha=alpha, penalty=penalty, return_scores=scores,
-                                   candidates=candidates, cache_dtype=cache_dtype)
+                                   candidates=candidates, cache_dtype=cache_dtype, shrink=shrink)
 
         def samples(params, inputs, streams):
             outputs = greedy(cast_weights(params, weights), inputs, streams)
@@ -550,7 +515,7 @@ def make_search(graphdef: nnx.GraphDef, *, max_extra_length: int, beam_size: int
         del streams  # beam search draws no random numbers
         return beam_search(cast_weights(params, weights), inputs, graphdef=graphdef, beam_size=beam_size, alpha=alpha,
                            max_extra_length=max_extra_length, early_stopping=early_stopping,
-                           cache_blocks=cache_blocks, penalty=penalty, cache_dtype=cache_dtype)
+                           cache_blocks=cache_blocks, penalty=penalty, cache_dtype=cache_dtype, shrink=shrink)
     return Search(jax.jit(beams), beam_size, True, alpha, penalty, utility=utility)
 
 

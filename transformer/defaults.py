@@ -195,6 +195,8 @@ def decode_defaults() -> ml_collections.ConfigDict:
     decode.cache_blocks = 0  # the self-attention cache in N blocks, a step reads only those written so far: faster
     # steps, longer compilation; outputs do not depend on it. 0: 4 for beam search, 1 for greedy (decode.py)
     decode.weights = "float32"  # bfloat16: searches run on bfloat16 weights and matmuls (float32 logits, softmax)
+    decode.shrink = 0  # the batch halves up to N times as its sentences finish (same outputs; pays on CPU, docs/
+    # benchmarks.md "Shrinking batches"; each halving is one more compiled loop)
     decode.max_input_length = 0  # longer sources are cut to it, EOS kept, still scored (0: data.max_length); never
     # past a learned position table
     decode.max_tokens_per_batch = 16384  # sentences x padded source length per decoding batch: long ones come fewer
