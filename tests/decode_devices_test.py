@@ -45,4 +45,6 @@ def test_two_processes_each_get_every_output_of_one_process(tmp_path):
     graphdef, params = decode_setup.tiny_model()
     single = decode_setup.decode_all(decode_setup.make_searches(graphdef), params, tokenizer)
     assert results[0]["hypotheses"] == results[1]["hypotheses"]  # exactly: the same gathered arrays
+    shrunk = results[0]["hypotheses"].pop("shrinking beam")  # rows gathered across the processes, then back
     decode_setup.assert_same_hypotheses(results[0]["hypotheses"], single)
+    decode_setup.assert_same_hypotheses({"beam": shrunk}, {"beam": single["beam"]})

@@ -73,7 +73,7 @@ def test_a_shrinking_batch_over_8_devices_decodes_what_one_device_does(setup):
     gathered rows and the outputs scattered back give one device's hypotheses, in input order."""
     tokenizer, params, _, one_device = setup
     graphdef, _ = decode_setup.tiny_model()
-    shrinking = {name: decode.make_search(graphdef, max_extra_length=decode_setup.MAX_EXTRA_LENGTH, scores=True,
-                                          shrink=2, **decode_setup.SEARCHES[name]) for name in ("greedy", "beam")}
+    shrinking = {"greedy": decode.make_search(graphdef, max_extra_length=decode_setup.MAX_EXTRA_LENGTH, scores=True,
+                                              shrink=2), "beam": decode_setup.shrinking_beam(graphdef)}
     decode_setup.assert_same_hypotheses(decode_setup.decode_all(shrinking, params, tokenizer, batch_size=8),
                                         {name: one_device[name] for name in shrinking})

@@ -1,5 +1,6 @@
 """One of two JAX processes on localhost (run by decode_devices_test.py): decodes decode_setup's sentences with
-its searches, the parameters replicated over both processes' devices, and prints every hypothesis as JSON."""
+its searches (and a beam search whose batch shrinks across the processes' rows), the parameters replicated over
+both processes' devices, and prints every hypothesis as JSON."""
 
 import json
 import sys
@@ -18,6 +19,8 @@ replicated = NamedSharding(Mesh(np.asarray(jax.devices()), ("data",)), Partition
 graphdef, params = decode_setup.tiny_model()
 params = jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, replicated, lambda index: np.asarray(x)[index]),
                       params)
-found = decode_setup.decode_all(decode_setup.make_searches(graphdef), params, decode_setup.vocabulary(vocab_dir))
+searches = decode_setup.make_searches(graphdef)
+searches["shrinking beam"] = decode_setup.shrinking_beam(graphdef)
+found = decode_setup.decode_all(searches, params, decode_setup.vocabulary(vocab_dir))
 print(json.dumps({"processes": jax.process_count(), "devices": jax.device_count(), "hypotheses": found}))
 jax.distributed.shutdown()

@@ -43,6 +43,11 @@ def make_searches(graphdef) -> dict:
             for name, settings in SEARCHES.items()}
 
 
+def shrinking_beam(graphdef):
+    """SEARCHES' beam search with decode.shrink=2: its batches halve twice as their sentences finish."""
+    return decode.make_search(graphdef, max_extra_length=MAX_EXTRA_LENGTH, scores=True, shrink=2, **SEARCHES["beam"])
+
+
 def decode_all(searches: dict, params, tokenizer: Tokenizer, batch_sharding=None, batch_size: int = 5) -> dict:
     """{search name: [[ids, score] of each hypothesis] of each sentence} as plain lists (JSON for the processes).
     A batch of 5 rows and 13 sentences: neither divides the other, nor 5 the device counts."""
