@@ -75,6 +75,7 @@ def test_a_killed_job_started_again_writes_what_an_uninterrupted_one_writes(reve
         assert (out / name).read_bytes() == (tmp_path / "straight" / name).read_bytes()
 
 
+@pytest.mark.slow
 def test_back_translation_over_4_devices_writes_what_one_device_writes(reverse, tmp_path):
     workdir, mono, _ = reverse
     back_translate.back_translate(sampled(workdir), workdir, mono, str(tmp_path / "one"), "train", 8)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from transformer import corpus, throughput
 from transformer.model import ModelConfig
@@ -15,6 +16,7 @@ from transformer.model import ModelConfig
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_the_train_benchmark_reports_median_step_tokens_per_second_and_mfu(tmp_path):
     output = tmp_path / "bench.jsonl"
     model = {"emb_dim": 32, "num_heads": 4, "mlp_dim": 64, "num_encoder_layers": 1, "num_decoder_layers": 2}

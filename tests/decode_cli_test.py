@@ -107,6 +107,7 @@ def test_eval_decodes_by_mbr_with_its_flags_as_the_search_in_this_process_does(w
     assert first == sorted(first, reverse=True) and 0 < first[0] <= 100
 
 
+@pytest.mark.slow
 def test_benchmark_mbr_times_the_draw_and_the_ranking_apart(workdir):
     result = run(os.path.join(ROOT, "scripts", "benchmark_mbr.py"), f"--workdir={workdir}", "--sentences=6",
                  "--candidates=1,4", "--utilities=chrf,bleu")
@@ -169,6 +170,7 @@ def test_evaluations_beside_a_save_in_flight_keep_their_own_results_and_count_th
         shutil.rmtree(in_flight)
 
 
+@pytest.mark.slow
 def test_eval_reads_files_as_training_does_and_inputs_of_one_name_keep_their_own_results(workdir, tmp_path):
     """Sources and references with a byte order mark and CR line ends score as plain ones do (as training reads
     its text; the tiny model's translations are empty, so the references' length shows it: a kept mark would

@@ -15,13 +15,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 
 
-def test_decoding_on_8_devices_gives_the_outputs_of_one():
+def run_multidevice(marker: str) -> None:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    command = [sys.executable, "-m", "pytest", os.path.join(TESTS, "decode_multidevice_test.py"), "-q",
+    command = [sys.executable, "-m", "pytest", os.path.join(TESTS, "decode_multidevice_test.py"), "-q", "-m", marker,
                "-p", "no:cacheprovider", "-n", "0"]  # one process: its 8 devices are the parallelism
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
+
+
+def test_decoding_on_8_devices_gives_the_outputs_of_one():
+    run_multidevice("not slow")
+
+
+@pytest.mark.slow
+def test_a_shrinking_batch_on_8_devices_gives_the_outputs_of_one():
+    run_multidevice("slow")
 
 
 def free_port() -> int:

@@ -68,6 +68,7 @@ def test_params_on_a_trainer_mesh_decode_on_its_batch_axes(setup):
                                 batch_sharding=rows_over(jax.devices()))
 
 
+@pytest.mark.slow
 def test_a_shrinking_batch_over_8_devices_decodes_what_one_device_does(setup):
     """decode.shrink=2: each batch of 8 rows (one per device) halves to 4 and 2 rows as its sentences finish; the
     gathered rows and the outputs scattered back give one device's hypotheses, in input order."""

@@ -100,6 +100,7 @@ def test_bad_risk_settings_are_refused_naming_the_setting(tmp_path, overrides, m
     assert not (tmp_path / "w").exists() or not os.listdir(tmp_path / "w")
 
 
+@pytest.mark.slow
 def test_a_resumed_risk_fine_tune_ends_with_the_same_parameters_bitwise(source, tmp_path):
     overrides = {**RISK, "train.init_from": str(source), "train.num_train_steps": 4}
     trainer.Run(make_tiny_config(**overrides), str(tmp_path / "straight")).train()

@@ -158,18 +158,20 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
     np.testing.assert_allclose(logits, reference(INPUTS, DECODER_INPUTS), atol=0.1)  # bf16 has ~3 digits
 
 
-def dot_operand_dtypes(jaxpr) -> list[tuple[str, ...]]:
+def dot_operand_dtypes(jaxpr, outputs: list | None = None) -> list[tuple[str, ...]]:
     """The operand dtypes of every dot_general in a jaxpr, the jaxprs nested in its equations (jit, scan, remat,
-    custom gradients) included."""
+    custom gradients) included; `outputs`, when given, gets each one's result dtype."""
     found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
             found.append(tuple(str(operand.aval.dtype) for operand in eqn.invars))
+            if outputs is not None:
+                outputs.append(str(eqn.outvars[0].aval.dtype))
         for value in eqn.params.values():
             for inner in value if isinstance(value, (tuple, list)) else [value]:
                 inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's own jaxpr
                 if hasattr(inner, "eqns"):
-                    found += dot_operand_dtypes(inner)
+                    found += dot_operand_dtypes(inner, outputs)
     return found
 
 
@@ -178,7 +180,8 @@ def test_the_compute_dtype_is_the_dtype_of_every_matmul_of_a_forward_pass_and_a_
     """With dtype="bfloat16" every matrix product of the forward pass takes bfloat16 operands, and in the train
     step none takes two float32 ones (the backward passes of the products accumulated in float32, the attention
     logits and the output logits, take their float32 cotangent and a bfloat16 operand); parameters stay float32
-    before and after the step, logits come out float32. With float32, no product sees a bfloat16 operand."""
+    before and after the step, logits come out float32, and every forward product accumulates in float32. With
+    float32, no product sees a bfloat16 operand."""
     config = ModelConfig(**{**TINY, "num_encoder_layers": 1, "num_decoder_layers": 1}, dtype=dtype)
     optimizer, schedule = make_optimizer(OptimizerConfig(learning_rate_scale=1.0, warmup_steps=10), TINY["emb_dim"])
     state = jax.eval_shape(lambda: create_train_state(config, optimizer, seed=0))  # traced, never run
@@ -188,11 +191,14 @@ def test_the_compute_dtype_is_the_dtype_of_every_matmul_of_a_forward_pass_and_a_
                              label_smoothing=0.1)
     batch = {"inputs": INPUTS, "targets": DECODER_INPUTS}
     train = jax.make_jaxpr(step)(state, batch)
-    forward_dots, train_dots = dot_operand_dtypes(forward.jaxpr), dot_operand_dtypes(train.jaxpr)
+    results = []
+    forward_dots, train_dots = dot_operand_dtypes(forward.jaxpr, results), dot_operand_dtypes(train.jaxpr)
     # Every product: per attention 4 projections and 2 products (3 attentions), 2 per feed-forward, the output's.
     assert len(forward_dots) == 3 * 6 + 2 * 2 + 1 and len(train_dots) > 2 * len(forward_dots)  # and the gradients'
     if dtype == "bfloat16":
         assert all(operands == ("bfloat16", "bfloat16") for operands in forward_dots), forward_dots
+        # Accumulated in float32 (XLA's CPU backend runs a bfloat16-out product as a float32 one), then rounded.
+        assert set(results) == {"float32"}, results
         assert all("bfloat16" in operands for operands in train_dots), train_dots
     else:
         assert all(operands == ("float32", "float32") for operands in forward_dots + train_dots)

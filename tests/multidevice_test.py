@@ -1,11 +1,11 @@
 """Sharded training on 8 fake CPU devices. Needs XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX
 starts, so sharding_test.py runs this module in a subprocess; in the ordinary 1-device session it is skipped.
 
-Fast: an accumulated step on (2,2,2) equals the big batch on (1,1,1), and so does a step of each attention kind
-one of each model family, one of minimum risk training, and one of a mixture of experts split over an expert axis
-of 4; parameters are born sharded; a
-checkpoint saved on one mesh restores onto another. Slow: one step with dropout on (8,1,1), (2,4,1), (2,2,2)
-equals (1,1,1); accumulation over 4 slices on (2,1,1); bfloat16 trains.
+Fast: an accumulated step on (2,2,2) equals the big batch on (1,1,1), and so does a step of performer and of the
+ssm mixer, one of minimum risk training, and one of a mixture of experts split over an expert axis of 4;
+parameters are born sharded; a checkpoint saved on one mesh restores onto another. Slow: one step with dropout on
+(8,1,1), (2,4,1), (2,2,2) equals (1,1,1); local and linformer attention, and each model family, on (2,2,2);
+accumulation over 4 slices on (2,1,1); bfloat16 trains.
 """
 
 import dataclasses
@@ -115,6 +115,7 @@ def test_each_attention_kind_steps_on_2x2x2_as_on_one_device(kind):
         assert tuple(in_x[0].spec) == ("fsdp", "tensor") and in_x[1] == (16, 32), in_x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["decoder_only", "encoder_only"])
 def test_each_family_steps_on_2x2x2_as_on_one_device(family):
     """decoder_only's joined stream and prefix mask, encoder_only's masking (drawn in the step from its key, the same

@@ -134,6 +134,7 @@ def signalled_train(workdir, target, signal_name):
                           capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=600)
 
 
+@pytest.mark.slow
 def test_a_signal_in_the_final_evaluation_commits_the_last_save_and_the_same_command_finishes(tmp_path):
     workdir = tmp_path / "run"
     stopped = signalled_train(workdir, "transformer.evaluation:RunEvaluation.final", "SIGTERM")

@@ -189,6 +189,7 @@ def test_packed_rows_equal_separate_sentences(hybrid):
 NOPE = dataclasses.replace(HYBRID, decoder_positions=False)
 
 
+@pytest.mark.slow
 def test_a_decoder_without_positions_reads_no_position_and_decodes_as_it_teacher_forces():
     """model.decoder_positions=False (NoPE): shifting the decoder's positions changes no logit, where with
     positions it does; the encoder keeps its own; cached decoding still equals the teacher-forced pass."""

@@ -276,6 +276,7 @@ def test_a_run_killed_hard_on_another_host_is_stopped_once_its_workdir_lock_says
     assert state("finished", now - hour, scores_step=10)[0] == "done"  # its wrapper died after the scores
 
 
+@pytest.mark.slow
 def test_a_point_ended_by_its_time_budget_is_done_and_reported_by_its_final_scores(tmp_path):
     """A time-budgeted point (num_train_steps an upper bound) is done when its run ended by the budget under the
     point's settings: a rerun skips it, and collect reports scores.json's final scores, not in-training BLEU."""

@@ -12,7 +12,7 @@ from flax import nnx
 
 from transformer.model import blocks
 from transformer.model.blocks import Cache, CacheSetup, Inputs, Step
-from transformer.model.config import ModelConfig, partitioned
+from transformer.model.config import ModelConfig, accumulated_dot, partitioned
 from transformer.model.masks import SelfMask, attention_mask
 
 Array = jax.Array
@@ -70,7 +70,7 @@ def head_major_attention(query: Array, keys: Array, values: Array, mask: Array, 
     weights = jax.nn.softmax(logits, axis=-1).astype(values.dtype)
     if dropout is not None:
         weights = dropout(weights, deterministic=deterministic, rngs=rngs)
-    return jnp.einsum("bhqk,bhkd->bhqd", weights, values)
+    return jnp.einsum("bhqk,bhkd->bhqd", weights, values, preferred_element_type=jnp.float32).astype(values.dtype)
 
 
 def to_cache_layout(keys: Array, values: Array) -> tuple[Array, Array]:
@@ -158,7 +158,7 @@ class MultiHeadAttention(blocks.Block):
         self.config, self.field = config, field
         dim, dtype = config.emb_dim, config.compute_dtype
         def linear(*names):
-            return nnx.Linear(dim, dim, use_bias=config.projection_bias, dtype=dtype,
+            return nnx.Linear(dim, dim, use_bias=config.projection_bias, dtype=dtype, dot_general=accumulated_dot,
                               kernel_init=config.kernel_init(*names),
                               bias_init=partitioned(nnx.initializers.zeros_init(), names[1]), rngs=rngs)
         self.query, self.key, self.value = linear("embed", "heads"), linear("embed", "heads"), linear("embed", "heads")

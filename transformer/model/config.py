@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -33,6 +34,16 @@ def partitioned(init, *names: str | None):
     """An initializer whose parameter carries logical axis names (read by sharding.py, never applied here:
     eager_sharding=False, so building a model needs no mesh)."""
     return nnx.with_partitioning(init, names, eager_sharding=False)
+
+
+def accumulated_dot(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+    """nnx.Linear's dot_general: products accumulated in float32 and returned in the inputs' dtype. For bfloat16
+    inputs this is what accelerators do anyway, and it is the form XLA's CPU backend runs as a bfloat16 matmul: a
+    bfloat16-out dot it rewrites into a float32 one (base greedy, decode.weights=bfloat16: docs/benchmarks.md)."""
+    del preferred_element_type  # Linear's None: always float32 here
+    out = jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=jnp.float32,
+                              **kwargs)
+    return out.astype(jnp.result_type(lhs, rhs))
 
 
 def allowed_kinds(field: str) -> tuple[str, ...]:

@@ -7,7 +7,7 @@ from flax import nnx
 
 from transformer.model import blocks
 from transformer.model.blocks import Inputs
-from transformer.model.config import ModelConfig, partitioned
+from transformer.model.config import ModelConfig, accumulated_dot, partitioned
 
 Array = jax.Array
 # gelu exact (erf), as torch's and Hugging Face's "gelu"; swish = SiLU, x sigmoid(x).
@@ -21,9 +21,9 @@ class FeedForward(blocks.PositionwiseBlock):
 
     def __init__(self, config: ModelConfig, field: str = "num_experts", *, rngs: nnx.Rngs):
         dtype, bias = config.compute_dtype, nnx.initializers.zeros_init()
-        self.hidden = nnx.Linear(config.emb_dim, config.mlp_dim, dtype=dtype, rngs=rngs,
+        self.hidden = nnx.Linear(config.emb_dim, config.mlp_dim, dtype=dtype, rngs=rngs, dot_general=accumulated_dot,
                                  kernel_init=config.kernel_init("embed", "mlp"), bias_init=partitioned(bias, "mlp"))
-        self.output = nnx.Linear(config.mlp_dim, config.emb_dim, dtype=dtype, rngs=rngs,
+        self.output = nnx.Linear(config.mlp_dim, config.emb_dim, dtype=dtype, rngs=rngs, dot_general=accumulated_dot,
                                  kernel_init=config.kernel_init("mlp", "embed"), bias_init=partitioned(bias, "embed"))
         self.dropout = nnx.Dropout(config.relu_dropout_rate)
         self.activation = config.activation

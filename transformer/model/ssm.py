@@ -28,7 +28,7 @@ from flax import nnx
 
 from transformer.model import blocks
 from transformer.model.blocks import Cache, CacheSetup, Inputs, Step
-from transformer.model.config import ModelConfig, partitioned
+from transformer.model.config import ModelConfig, accumulated_dot, partitioned
 
 Array = jax.Array
 
@@ -119,7 +119,8 @@ class Mamba2(blocks.Block):
         dim, inner, state, dtype = config.emb_dim, self.inner, config.ssm_state, config.compute_dtype
 
         def linear(out, *names):
-            return nnx.Linear(dim, out, use_bias=False, dtype=dtype, kernel_init=config.kernel_init(*names), rngs=rngs)
+            return nnx.Linear(dim, out, use_bias=False, dtype=dtype, kernel_init=config.kernel_init(*names), rngs=rngs,
+                              dot_general=accumulated_dot)
 
         def param(value, *names):
             return nnx.Param(partitioned(lambda *_: value, *names)(None, value.shape, jnp.float32))
@@ -139,7 +140,7 @@ class Mamba2(blocks.Block):
         self.skip = param(jnp.ones((self.heads,)), None)  # D
         self.norm_scale = param(jnp.ones((inner,)), "mlp")
         self.output = nnx.Linear(inner, dim, use_bias=False, dtype=dtype, kernel_init=config.kernel_init("mlp", "embed"),
-                                 rngs=rngs)
+                                 rngs=rngs, dot_general=accumulated_dot)
 
     @classmethod
     def checks(cls, config, field):
