@@ -44,6 +44,7 @@ def test_the_train_benchmark_reports_median_step_tokens_per_second_and_mfu(tmp_p
     assert re.search(rf"\nMFU +{bench['mfu']:.3f}\n", result.stdout), result.stdout  # the printed table
 
 
+@pytest.mark.slow
 def test_the_decode_benchmark_finds_the_ssm_state_fixed_and_the_dense_cache_growing(tmp_path):
     """scripts/benchmark_attention.py --parts=decode: dense self-attention's cache grows by one key and value per
     layer, hypothesis and generated token; the state-space decoder's stays the same size at any length."""

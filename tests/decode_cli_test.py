@@ -87,6 +87,7 @@ def assert_same_nbest(got: list[str], expected: list[str]) -> None:
                                    rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow
 def test_eval_decodes_by_mbr_with_its_flags_as_the_search_in_this_process_does(workdir, tmp_path):
     source = workdir.parent / "in.txt"
     flags = ["--search=mbr", "--mbr_candidates=4", "--epsilon=0.02", "--mbr_utility=bleu", "--nbest=3"]

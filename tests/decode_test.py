@@ -424,7 +424,7 @@ def test_decode_settings_fail_clearly_naming_the_key():
 # Bounded decoding: inputs cut to a bound, batches within a token budget
 
 
-@pytest.mark.parametrize("family", ["encoder_decoder", "decoder_only"])
+@pytest.mark.parametrize("family", ["encoder_decoder", pytest.param("decoder_only", marks=pytest.mark.slow)])
 def test_outputs_end_within_a_learned_position_table(family):
     """With a learned table of 12 positions a 7-token source may not produce 7 + 6 tokens: the decoder has no
     trained row past the table (the embedding clamps to the last). Every search ends each output at the table
@@ -621,8 +621,9 @@ def assert_shrinking_decodes_the_whole_batch(params, graphdef, shrink, batches, 
 
 
 def test_a_shrinking_batch_decodes_what_the_whole_batch_does(model_and_search):
-    """decode.shrink: the batch halves as its sentences finish at different steps (greedy: 8 -> 4 -> 2 -> 1 rows;
-    beam search, 2 beams: 8 -> 4), and the outputs and scores are the whole batch's, each in its own row."""
+    """decode.shrink: the batch halves (8 -> 4 -> 2 -> 1 rows) as its sentences finish at different steps, and
+    greedy search's outputs and scores are the whole batch's, each in its own row; so are beam search's (2 beams,
+    8 -> 4 rows)."""
     graphdef, params, _ = model_and_search
     assert_shrinking_decodes_the_whole_batch(params, graphdef, 3, [8, 4, 2, 1], 4, scores=True)
     beam_graphdef, beam_params = build(20, 0)  # whose beams end at 7 different steps (seed 3's mostly at the first)
@@ -633,8 +634,8 @@ def test_a_shrinking_batch_decodes_what_the_whole_batch_does(model_and_search):
 
 @pytest.mark.slow
 def test_a_shrinking_batch_keeps_every_candidate_and_beam_of_a_sentence(model_and_search):
-    """Sampling's 3 candidates per sentence leave the batch together, when all three end; beam search's 3 beams
-    and finished hypotheses over 8 -> 4 -> 2 -> 1 rows: the whole batch's outputs and scores."""
+    """Sampling's 3 candidates per sentence leave the batch together, when all three end; beam search's beams and
+    finished hypotheses over 8 -> 4 -> 2 -> 1 rows: the whole batch's outputs and scores."""
     graphdef, params, _ = model_and_search
     assert_shrinking_decodes_the_whole_batch(params, graphdef, 3, [8, 4, 2, 1], 4, temperature=1.0, candidates=3,
                                              scores=True)

@@ -302,6 +302,7 @@ def children(pid: int) -> list[int]:
     return [int(child) for child in open(f"/proc/{pid}/task/{pid}/children").read().split()]
 
 
+@pytest.mark.slow
 def test_an_emitted_slurm_script_stops_its_run_on_the_signal_and_requeues_on_75(tmp_path):
     """SLURM's stop signal (--signal=TERM@300) reaches every process of the job step, scripts/sweep.py and the
     train.py it runs, which takes the sweep's forwarded copy as the same stop; the run commits and exits 75, and the script requeues its job. srun and scontrol are stand-ins here that
