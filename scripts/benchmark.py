@@ -9,6 +9,9 @@
     PYTHONPATH=. python scripts/benchmark.py --compile_only --config=configs/big.py --config.mesh.fsdp=8
     # beam-4 decoding speed (--beam_size=1: greedy search)
     PYTHONPATH=. python scripts/benchmark.py --mode=decode --shape=small
+    # a real text file through a workdir's model, as eval.py decodes it, beside its CTranslate2 export
+    PYTHONPATH=. python scripts/benchmark.py --mode=decode --workdir=runs/multi30k --input=val.en --beam_size=1 \
+        --decode_shrink=5 --ctranslate2=runs/multi30k/export/ctranslate2.step2464 --ct2_compute_type=int8
     # where the time goes: the 20 most expensive XLA ops of the step (or search), with their HLO
     PYTHONPATH=. python scripts/benchmark.py --mode=train --shape=small --profile=20
 
@@ -383,17 +386,19 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
 
 
 def run_decode_text(workdir: str, input_path: str, *, beam_size: int, repeats: int) -> dict:
-    """Translate a text file with a workdir's model as eval.py does (search_sentences: length-sorted batches of
-    decode.batch_size, the token budget, early stopping), the first pass compiling every batch shape, then the
-    median of `repeats` timed passes; with --ctranslate2, CTranslate2 on the same sentences' pieces, beam and
+    """Translate a text file with a workdir's model as eval.py does (its checkpoint averaging; search_sentences:
+    length-sorted batches of decode.batch_size, the token budget, early stopping), the first pass compiling every
+    batch shape, then the median of `repeats` timed passes; with --ctranslate2, CTranslate2 on the same sentences' pieces, beam and
     batch size, no length penalty on either side when the workdir's alpha is 0."""
     import statistics
 
-    from transformer import restore
+    from transformer import cli
     from transformer.evaluation import Evaluator
 
-    overrides = dict(beam_size=beam_size, weights=flags.FLAGS.decode_weights, shrink=flags.FLAGS.decode_shrink)
-    restored = restore.restore(workdir, decode_overrides=overrides)
+    # eval.py's rule: the workdir's decode settings (checkpoint averaging included) but for these flags.
+    restored = cli.restore_for_command_line(workdir, None, average_last=None, best=False, nbest=0,
+                                            beam_size=beam_size, weights=flags.FLAGS.decode_weights,
+                                            shrink=flags.FLAGS.decode_shrink)
     with open(input_path, encoding="utf-8") as handle:
         sentences = [line.rstrip("\n") for line in handle]
     evaluator = Evaluator.of(restored)
@@ -412,7 +417,8 @@ def run_decode_text(workdir: str, input_path: str, *, beam_size: int, repeats: i
                   max_tokens_per_batch=settings.max_tokens_per_batch, weights=settings.weights, shrink=settings.shrink,
                   backend=jax.default_backend(), jax=jax.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  first_pass_seconds=first, seconds=times, sentences_per_second=len(sentences) / median)
+                  first_pass_seconds=first, seconds=times, sentences_per_second=len(sentences) / median,
+                  translations=translations)
     print(f"ours: {len(sentences) / median:.1f} sentences/s (median of {[round(t, 2) for t in times]} s; first "
           f"pass, compiling, {first:.1f} s)", flush=True)
     if flags.FLAGS.ctranslate2:

@@ -119,6 +119,25 @@ def test_benchmark_mbr_times_the_draw_and_the_ranking_apart(workdir):
     assert [r["distinct_per_sentence"] for r in rows[:2]] == [1.0, 1.0] and 1 <= rows[2]["distinct_per_sentence"] <= 4
 
 
+@pytest.mark.slow
+def test_the_decode_benchmark_times_a_text_file_with_a_shrinking_batch_as_eval_translates_it(workdir, tmp_path):
+    """scripts/benchmark.py --workdir --input: the workdir's model decodes the file (a compiling pass, then the timed
+    ones) with --decode_shrink; the translations are eval.py's for the same flags, and the JSON line says how."""
+    source = tmp_path / "source.en"
+    source.write_text("A cat.\nTwo dogs run on the grass.\nA man in a red shirt reads a book in the park.\n")
+    output = tmp_path / "bench.jsonl"
+    result = run(os.path.join(ROOT, "scripts", "benchmark.py"), "--mode=decode", f"--workdir={workdir}",
+                 f"--input={source}", "--beam_size=2", "--decode_shrink=1", "--repeats=1", f"--output={output}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    [row] = [json.loads(line) for line in output.read_text().splitlines()]
+    assert (row["mode"], row["sentences"], row["beam_size"], row["shrink"]) == ("decode_text", 3, 2, 1)
+    assert row["sentences_per_second"] > 0 and len(row["seconds"]) == 1
+    written = tmp_path / "eval.txt"
+    assert run("eval.py", f"--workdir={workdir}", f"--input={source}", "--beam_size=2", "--shrink=1",
+               f"--output={written}").returncode == 0
+    assert row["translations"] == written.read_text().splitlines()
+
+
 @pytest.mark.parametrize("tool, flags, message", [
     ("-m transformer.translate", ["--nbest=3", "--beam_size=2"],
      "--nbest=3 must be between 0 (off) and decode.beam_size=2"),
