@@ -37,6 +37,7 @@ import platform
 import resource
 import sys
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -305,17 +306,17 @@ def profile_ops(fn, calls: int, hlo_text: str, top: int) -> dict:
             "top_ms": dict(per_op.most_common(top))}
 
 
-def timed(fn, repeats: int) -> tuple[float, list[float]]:
-    """(seconds of the first, compiling, call; seconds of each of `repeats` further calls)."""
+def timed(fn, repeats: int) -> tuple[float, list[float], Any]:
+    """(seconds of the first, compiling, call; seconds of each of `repeats` further calls; the first call's result)."""
     start = time.perf_counter()
-    jax.block_until_ready(fn())
+    result = jax.block_until_ready(fn())
     first = time.perf_counter() - start
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
-    return first, times
+    return first, times, result
 
 
 def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats: int) -> dict:
@@ -369,8 +370,8 @@ def run_decode(config, sizes: dict, *, new_tokens: int, beam_size: int, repeats:
                   model={key: getattr(config, key) for key in (
                       "emb_dim", "num_heads", "num_encoder_layers", "num_decoder_layers", "mlp_dim", "vocab_size",
                       "family", "encoder_attention", "decoder_attention", "cross_attention")})
-    first, times = timed(lambda: search(params, inputs), repeats)
-    sequences = np.asarray(search(params, inputs))
+    first, times, sequences = timed(lambda: search(params, inputs), repeats)
+    sequences = np.asarray(sequences)
     median = statistics.median(times)
     result["cached"] = dict(first_call_seconds=first, seconds=times, median_seconds=median,
                             sentences_per_second=batch / median, tokens_per_second=batch * new_tokens / median,
@@ -403,14 +404,8 @@ def run_decode_text(workdir: str, input_path: str, *, beam_size: int, repeats: i
         sentences = [line.rstrip("\n") for line in handle]
     evaluator = Evaluator.of(restored)
     settings = restored.settings.decode
-    start = time.perf_counter()
-    translations = evaluator.translate(restored.params, sentences, None).hypotheses
-    first = time.perf_counter() - start
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        evaluator.translate(restored.params, sentences, None)
-        times.append(time.perf_counter() - start)
+    first, times, translated = timed(lambda: evaluator.translate(restored.params, sentences, None), repeats)
+    translations = translated.hypotheses
     median = statistics.median(times)
     result = dict(mode="decode_text", workdir=workdir, input=input_path, sentences=len(sentences),
                   beam_size=beam_size, alpha=settings.alpha, batch_size=settings.batch_size,
@@ -431,12 +426,7 @@ def run_decode_text(workdir: str, input_path: str, *, beam_size: int, repeats: i
                   for ids in tokenizer.encode_lists(sentences, "source")]
         options = dict(beam_size=beam_size, max_batch_size=settings.batch_size, length_penalty=settings.alpha,
                        max_decoding_length=settings.max_extra_length + max(map(len, pieces)))
-        translator.translate_batch(pieces, **options)
-        ct2_times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            found = translator.translate_batch(pieces, **options)
-            ct2_times.append(time.perf_counter() - start)
+        _, ct2_times, found = timed(lambda: translator.translate_batch(pieces, **options), repeats)
         ct2_median = statistics.median(ct2_times)
         ct2_text = [tokenizer.decode([tokenizer.piece_to_id(piece) for piece in r.hypotheses[0]]) for r in found]
         same = sum(a == b for a, b in zip(ct2_text, translations))
